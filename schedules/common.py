@@ -1,0 +1,45 @@
+"""Helpers the per-target schedules share. They find kernel blocks by the names the kernel
+factories in ``tvm_flash.kernels`` give them."""
+
+from __future__ import annotations
+
+from tvm import s_tir
+
+
+def has_block(sch: s_tir.Schedule, name: str) -> bool:
+    try:
+        sch.get_sblock(name)
+    except Exception:  # noqa: BLE001 - TVM raises ScheduleError subclasses of several kinds
+        return False
+    return True
+
+
+def written_buffers(sch: s_tir.Schedule, block_name: str) -> list[str]:
+    """Names of the buffers a block writes, in write-region order."""
+    return [r.source.name for r in sch.get(sch.get_sblock(block_name)).writes]
+
+
+def set_scopes(sch: s_tir.Schedule, scopes: dict[str, str], producers: dict[str, str]) -> None:
+    """Give each on-chip buffer its storage scope.
+
+    ``producers`` maps buffer name -> the block that writes it; ``scopes`` maps buffer name ->
+    scope. Buffers are found by name so the schedule stays valid if a kernel adds buffers.
+    """
+    for buf, scope in scopes.items():
+        block = producers[buf]
+        idx = written_buffers(sch, block).index(buf)
+        sch.set_scope(block, idx, scope)
+
+
+def pad_rows(sch: s_tir.Schedule, producers: dict[str, str], names, pad: int) -> None:
+    """Pad the row stride of 2-D shared buffers to ``cols + pad`` elements.
+
+    Rows of 64 or 128 half-precision elements start in the same shared-memory bank; threads
+    reading one column of consecutive rows then conflict. A small pad staggers the rows.
+    """
+    for buf in names:
+        block = producers[buf]
+        regions = sch.get(sch.get_sblock(block)).writes
+        idx = [r.source.name for r in regions].index(buf)
+        cols = int(regions[idx].source.shape[1])
+        sch.storage_align(block, idx, axis=0, factor=cols, offset=pad)

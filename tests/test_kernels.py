@@ -1,0 +1,115 @@
+"""Kernel structure, the raw kernel entry points with poisoned outputs, and input errors."""
+
+import math
+import re
+
+import pytest
+import torch
+import tvm
+from conftest import DEVICES
+
+from tvm_flash import KernelKey, attention, attention_reference
+from tvm_flash.build import kernel, make_target, scheduled_module, target_tag_for_device
+from tvm_flash.kernels import FACTORIES, TileConfig
+
+OPS = ["fwd", "bwd_pre", "dq", "dkv"]
+
+
+def _allocation_shapes(func):
+    """Shapes of every buffer a kernel allocates, as written in its TVMScript."""
+    return re.findall(r"T\.sblock_alloc_buffer\(\(([^)]*)\)", func.script())
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_no_sequence_sized_buffer(op):
+    """Every on-chip buffer has a constant shape: nothing Lq x Lk (or Lq-sized) is allocated."""
+    key = KernelKey(op, 64, "float16", "top-left", 2, "cuda-sm_90")
+    shapes = _allocation_shapes(FACTORIES[op](key, TileConfig(64, 64)))
+    assert shapes or op == "bwd_pre"  # the preprocess allocates nothing
+    for shape in shapes:
+        assert re.fullmatch(r"[\d, ]+", shape), f"symbolic allocation shape ({shape})"
+
+
+@pytest.mark.parametrize("target", ["llvm", "cuda-sm_80", "cuda-sm_90"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_schedules_build(target, op, d, dtype):
+    """Every kernel schedules and lowers for every target (CUDA source made without a GPU)."""
+    key = KernelKey(op, d, dtype, "bottom-right", 4, target)
+    mod = scheduled_module(key)
+    tvm.tirx.build(mod, target=make_target(target))
+
+
+def _poisoned(shape, dtype, device):
+    return torch.full(shape, math.nan, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", ["none", "top-left"])
+def test_raw_kernels_overwrite_poisoned_outputs(causal, device):
+    """Call the four compiled kernels directly with NaN-filled outputs: every element is written."""
+    b, hq, hkv, lq, lk, d, dt = 2, 4, 2, 45, 70, 64, torch.float32
+    q = torch.randn(b, hq, lq, d, device=device)
+    k = torch.randn(b, hkv, lk, d, device=device)
+    v = torch.randn(b, hkv, lk, d, device=device)
+    do = torch.randn(b, hq, lq, d, device=device)
+    tag = target_tag_for_device(q.device)
+    meta = {"head_dim": d, "dtype": "float32", "causal": causal, "group": hq // hkv,
+            "target": tag}
+    scale = 0.125
+    out, lse = _poisoned(q.shape, dt, device), _poisoned(q.shape[:3], dt, device)
+    kernel(KernelKey("fwd", **meta))(q, k, v, out, lse, scale)
+    delta = _poisoned(q.shape[:3], dt, device)
+    kernel(KernelKey("bwd_pre", **{**meta, "causal": "none", "group": 1}))(out, do, delta)
+    dq = _poisoned(q.shape, dt, device)
+    dk, dv = _poisoned(k.shape, dt, device), _poisoned(v.shape, dt, device)
+    kernel(KernelKey("dq", **meta))(q, k, v, do, lse, delta, dq, scale)
+    kernel(KernelKey("dkv", **meta))(q, k, v, do, lse, delta, dk, dv, scale)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for name, t in (("out", out), ("lse", lse), ("delta", delta), ("dq", dq), ("dk", dk),
+                    ("dv", dv)):
+        assert not torch.isnan(t).any(), f"{name} has unwritten (NaN) elements"
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = attention_reference(qr, kr, vr, causal=causal, scale=scale)
+    ref.backward(do.double())
+    torch.testing.assert_close(out.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dq.double(), qr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dk.double(), kr.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dv.double(), vr.grad, atol=1e-4, rtol=1e-4)
+
+
+# (description, kwargs changes, exception, text the message must contain)
+BAD_INPUTS = [
+    ("rank 3 q", {"q": torch.randn(2, 5, 64)}, ValueError, "q: expected 4 dimensions"),
+    ("int q", {"q": torch.ones(1, 2, 5, 64, dtype=torch.int32)}, TypeError, "q: dtype"),
+    ("float64", {"q": torch.randn(1, 2, 5, 64, dtype=torch.float64)}, TypeError, "q: dtype"),
+    ("k dtype differs", {"k": torch.randn(1, 2, 5, 64, dtype=torch.float16)}, TypeError,
+     "k: dtype"),
+    ("head_dim 48", {"q": torch.randn(1, 2, 5, 48), "k": torch.randn(1, 2, 5, 48),
+                     "v": torch.randn(1, 2, 5, 48)}, ValueError, "head_dim 48"),
+    ("v length differs", {"v": torch.randn(1, 2, 6, 64)}, ValueError, "v: shape"),
+    ("k batch differs", {"k": torch.randn(2, 2, 5, 64), "v": torch.randn(2, 2, 5, 64)},
+     ValueError, "k: shape"),
+    ("heads do not divide", {"k": torch.randn(1, 3, 5, 64), "v": torch.randn(1, 3, 5, 64),
+                             "enable_gqa": True}, ValueError, "do not divide"),
+    ("gqa without flag", {"k": torch.randn(1, 1, 5, 64), "v": torch.randn(1, 1, 5, 64)},
+     ValueError, "enable_gqa=True"),
+    ("zero scale", {"scale": 0.0}, ValueError, "scale"),
+    ("nan scale", {"scale": math.nan}, ValueError, "scale"),
+    ("bad alignment", {"is_causal": True, "causal_alignment": "diagonal"}, ValueError,
+     "causal_alignment"),
+    ("not a tensor", {"q": [[1.0]]}, TypeError, "q: expected a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("case,changes,exc,text", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_is_named(case, changes, exc, text):
+    kwargs = {"q": torch.randn(1, 2, 5, 64), "k": torch.randn(1, 2, 5, 64),
+              "v": torch.randn(1, 2, 5, 64)}
+    kwargs.update(changes)
+    q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
+    with pytest.raises(exc, match=text.replace("(", r"\(")):
+        attention(q, k, v, **kwargs)

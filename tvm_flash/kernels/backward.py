@@ -1,0 +1,337 @@
+"""Backward kernels: preprocess, dQ and dK/dV.
+
+The backward never stores P: each kernel recomputes ``P = exp2(s2 - lse2)`` from Q, K and the
+forward's LSE (``lse2 = LSE * log2(e)``). With ``Delta = rowsum(dO * O)``:
+
+    dV = P^T dO        dP = dO V^T        dS = P * (dP - Delta)
+    dQ = scale * dS K  dK = scale * dS^T Q
+
+Two kernels split the work so that every output element has exactly one writer — no atomics,
+bitwise deterministic gradients:
+
+* ``flash_dq``: one tile of query rows loops over the key tiles.
+* ``flash_dkv``: one tile of key rows of one key/value head *owns* its dK/dV rows and loops
+  over every query head of its GQA group and every query tile. dK/dV start from zero.
+
+The accumulating GEMMs carry an identity ``T.init`` so that they are reduction blocks, which
+schedules may split and bind; the accumulators themselves are zeroed once by ``acc_init``.
+"""
+
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from .common import (
+    LOG2E,
+    TileConfig,
+    exp2_clamped,
+    first_query_tile,
+    neg_inf,
+    num_key_tiles,
+    visible,
+)
+
+
+def _prob(causal, s, scale2, lse, row, col, lq, lk):
+    """Recomputed probability; 0 where masked or where the row saw no key (LSE = -inf)."""
+    return T.if_then_else(
+        tirx.all(visible(causal, row, col, lq, lk), lse != neg_inf()),
+        exp2_clamped(s * scale2 - lse * T.float32(LOG2E)),
+        T.float32(0),
+    )
+
+
+def flash_bwd_preprocess(head_dim: int, dtype: str, tile: TileConfig):
+    """Return ``flash_bwd_pre(o, do, delta)``: ``delta[b, h, i] = sum_d o * do`` in float32.
+
+    Shapes: o, do ``(B, H, L, D)``; delta ``(B, H, L)`` float32. Rows are independent, so the
+    tile is unused: the schedule alone decides how rows map to threads.
+    """
+    D = head_dim
+    f32 = "float32"
+
+    @T.prim_func(s_tir=True)
+    def flash_bwd_pre(o_h: T.handle, do_h: T.handle, delta_h: T.handle):
+        T.func_attr({"global_symbol": "flash_bwd_pre", "tirx.noalias": True})
+        B, H, L = T.int64(), T.int64(), T.int64()
+        O = T.match_buffer(o_h, (B, H, L, D), dtype)
+        dO = T.match_buffer(do_h, (B, H, L, D), dtype)
+        Delta = T.match_buffer(delta_h, (B, H, L), f32)
+        for b, h, i, d in T.grid(B, H, L, D):
+            with T.sblock("delta"):
+                vb, vh, vi, vd = T.axis.remap("SSSR", [b, h, i, d])
+                with T.init():
+                    Delta[vb, vh, vi] = T.float32(0)
+                Delta[vb, vh, vi] = Delta[vb, vh, vi] + T.cast(O[vb, vh, vi, vd], f32) * T.cast(
+                    dO[vb, vh, vi, vd], f32
+                )
+
+    return flash_bwd_pre
+
+
+def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
+    """Return ``flash_dq(q, k, v, do, lse, delta, dq, scale)``.
+
+    Shapes: q, do, dq ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; lse, delta ``(B, Hq, Lq)``.
+
+    Named blocks: ``tile``, ``Q_load``, ``dO_load``, ``row_load``, ``acc_init``, ``K_load``,
+    ``V_load``, ``S_gemm``, ``dP_gemm``, ``dS`` (P and dS elementwise), ``dQ_gemm``, ``dQ_store``.
+    """
+    D, BQ, BK = head_dim, tile.block_q, tile.block_k
+    f32 = "float32"
+
+    @T.prim_func(s_tir=True)
+    def flash_dq(
+        q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
+        delta_h: T.handle, dq_h: T.handle, scale: T.float32,
+    ):
+        T.func_attr({"global_symbol": "flash_dq", "tirx.noalias": True})
+        B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
+        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype)
+        LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
+        Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
+        dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype)
+
+        for b, h, qt in T.grid(B, Hq, T.ceildiv(Lq, BQ)):
+            with T.sblock("tile"):
+                vb, vh, vt = T.axis.remap("SSS", [b, h, qt])
+                T.reads()
+                T.writes()
+                Qs = T.sblock_alloc_buffer((BQ, D), dtype)
+                dOs = T.sblock_alloc_buffer((BQ, D), dtype)
+                Ks = T.sblock_alloc_buffer((BK, D), dtype)
+                Vs = T.sblock_alloc_buffer((BK, D), dtype)
+                lse_s = T.sblock_alloc_buffer((BQ,), f32)
+                delta_s = T.sblock_alloc_buffer((BQ,), f32)
+                S = T.sblock_alloc_buffer((BQ, BK), f32)
+                dP = T.sblock_alloc_buffer((BQ, BK), f32)
+                dS = T.sblock_alloc_buffer((BQ, BK), f32)
+                acc = T.sblock_alloc_buffer((BQ, D), f32)
+                hk: T.let[T.int64] = vh // group
+                q0: T.let[T.int64] = vt * BQ
+                scale2: T.let[T.float32] = scale * T.float32(LOG2E)
+
+                for i, d in T.grid(BQ, D):
+                    with T.sblock("Q_load"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        if q0 + vi < Lq:
+                            Qs[vi, vd] = Q[vb, vh, q0 + vi, vd]
+                        else:
+                            Qs[vi, vd] = T.cast(0, dtype)
+                for i, d in T.grid(BQ, D):
+                    with T.sblock("dO_load"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        if q0 + vi < Lq:
+                            dOs[vi, vd] = dO[vb, vh, q0 + vi, vd]
+                        else:
+                            dOs[vi, vd] = T.cast(0, dtype)
+                for i in T.serial(BQ):
+                    with T.sblock("row_load"):
+                        vi = T.axis.remap("S", [i])
+                        if q0 + vi < Lq:
+                            lse_s[vi] = LSE[vb, vh, q0 + vi]
+                            delta_s[vi] = Delta[vb, vh, q0 + vi]
+                        else:
+                            lse_s[vi] = neg_inf()
+                            delta_s[vi] = T.float32(0)
+                for i, d in T.grid(BQ, D):
+                    with T.sblock("acc_init"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        acc[vi, vd] = T.float32(0)
+
+                for kt in T.serial(num_key_tiles(causal, T.min(q0 + BQ, Lq) - 1, Lq, Lk, BK)):
+                    k0: T.let[T.int64] = kt * BK
+                    for j, d in T.grid(BK, D):
+                        with T.sblock("K_load"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            if k0 + vj < Lk:
+                                Ks[vj, vd] = K[vb, hk, k0 + vj, vd]
+                            else:
+                                Ks[vj, vd] = T.cast(0, dtype)
+                    for j, d in T.grid(BK, D):
+                        with T.sblock("V_load"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            if k0 + vj < Lk:
+                                Vs[vj, vd] = V[vb, hk, k0 + vj, vd]
+                            else:
+                                Vs[vj, vd] = T.cast(0, dtype)
+                    for i, j, d in T.grid(BQ, BK, D):
+                        with T.sblock("S_gemm"):
+                            vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                            with T.init():
+                                S[vi, vj] = T.float32(0)
+                            S[vi, vj] = S[vi, vj] + T.cast(Qs[vi, vd], f32) * T.cast(Ks[vj, vd], f32)
+                    for i, j, d in T.grid(BQ, BK, D):
+                        with T.sblock("dP_gemm"):
+                            vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                            with T.init():
+                                dP[vi, vj] = T.float32(0)
+                            dP[vi, vj] = dP[vi, vj] + T.cast(dOs[vi, vd], f32) * T.cast(Vs[vj, vd], f32)
+                    for i, j in T.grid(BQ, BK):
+                        with T.sblock("dS"):
+                            vi, vj = T.axis.remap("SS", [i, j])
+                            dS[vi, vj] = _prob(causal, S[vi, vj], scale2, lse_s[vi], q0 + vi, k0 + vj, Lq, Lk) * (
+                                dP[vi, vj] - delta_s[vi]
+                            )
+                    for i, d, j in T.grid(BQ, D, BK):
+                        with T.sblock("dQ_gemm"):
+                            vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                            with T.init():
+                                acc[vi, vd] = acc[vi, vd]
+                            acc[vi, vd] = acc[vi, vd] + dS[vi, vj] * T.cast(Ks[vj, vd], f32)
+
+                for i, d in T.grid(BQ, D):
+                    with T.sblock("dQ_store"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        if q0 + vi < Lq:
+                            dQ[vb, vh, q0 + vi, vd] = T.cast(acc[vi, vd] * scale, dtype)
+
+    return flash_dq
+
+
+def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
+    """Return ``flash_dkv(q, k, v, do, lse, delta, dk, dv, scale)``.
+
+    Shapes as :func:`flash_dq`, plus dk, dv ``(B, Hkv, Lk, D)``. One ``tile`` block per
+    (batch, key/value head, key tile) loops over the ``group`` query heads sharing that head
+    and over the query tiles that can see its keys.
+
+    Named blocks: ``tile``, ``K_load``, ``V_load``, ``acc_init``, ``Q_load``, ``dO_load``,
+    ``row_load``, ``St_gemm`` (S^T = K Q^T), ``P``, ``dV_gemm``, ``dPt_gemm`` (dP^T = V dO^T),
+    ``dS``, ``dK_gemm``, ``dK_store``, ``dV_store``.
+    """
+    D, BQ, BK = head_dim, tile.block_q, tile.block_k
+    f32 = "float32"
+
+    @T.prim_func(s_tir=True)
+    def flash_dkv(
+        q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
+        delta_h: T.handle, dk_h: T.handle, dv_h: T.handle, scale: T.float32,
+    ):
+        T.func_attr({"global_symbol": "flash_dkv", "tirx.noalias": True})
+        B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
+        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype)
+        LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
+        Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
+        dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype)
+        dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype)
+
+        for b, hk, kt in T.grid(B, Hkv, T.ceildiv(Lk, BK)):
+            with T.sblock("tile"):
+                vb, vhk, vt = T.axis.remap("SSS", [b, hk, kt])
+                T.reads()
+                T.writes()
+                Ks = T.sblock_alloc_buffer((BK, D), dtype)
+                Vs = T.sblock_alloc_buffer((BK, D), dtype)
+                Qs = T.sblock_alloc_buffer((BQ, D), dtype)
+                dOs = T.sblock_alloc_buffer((BQ, D), dtype)
+                lse_s = T.sblock_alloc_buffer((BQ,), f32)
+                delta_s = T.sblock_alloc_buffer((BQ,), f32)
+                St = T.sblock_alloc_buffer((BK, BQ), f32)
+                Pt = T.sblock_alloc_buffer((BK, BQ), f32)
+                dPt = T.sblock_alloc_buffer((BK, BQ), f32)
+                dSt = T.sblock_alloc_buffer((BK, BQ), f32)
+                dk_acc = T.sblock_alloc_buffer((BK, D), f32)
+                dv_acc = T.sblock_alloc_buffer((BK, D), f32)
+                k0: T.let[T.int64] = vt * BK
+                scale2: T.let[T.float32] = scale * T.float32(LOG2E)
+
+                for j, d in T.grid(BK, D):
+                    with T.sblock("K_load"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        if k0 + vj < Lk:
+                            Ks[vj, vd] = K[vb, vhk, k0 + vj, vd]
+                        else:
+                            Ks[vj, vd] = T.cast(0, dtype)
+                for j, d in T.grid(BK, D):
+                    with T.sblock("V_load"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        if k0 + vj < Lk:
+                            Vs[vj, vd] = V[vb, vhk, k0 + vj, vd]
+                        else:
+                            Vs[vj, vd] = T.cast(0, dtype)
+                for j, d in T.grid(BK, D):
+                    with T.sblock("acc_init"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        dk_acc[vj, vd] = T.float32(0)
+                        dv_acc[vj, vd] = T.float32(0)
+
+                qt_first: T.let[T.int64] = first_query_tile(causal, k0, Lq, Lk, BQ)
+                for g, qt in T.grid(group, T.ceildiv(Lq, BQ) - qt_first):
+                    hq: T.let[T.int64] = vhk * group + g
+                    q0: T.let[T.int64] = (qt_first + qt) * BQ
+                    for i, d in T.grid(BQ, D):
+                        with T.sblock("Q_load"):
+                            vi, vd = T.axis.remap("SS", [i, d])
+                            if q0 + vi < Lq:
+                                Qs[vi, vd] = Q[vb, hq, q0 + vi, vd]
+                            else:
+                                Qs[vi, vd] = T.cast(0, dtype)
+                    for i, d in T.grid(BQ, D):
+                        with T.sblock("dO_load"):
+                            vi, vd = T.axis.remap("SS", [i, d])
+                            if q0 + vi < Lq:
+                                dOs[vi, vd] = dO[vb, hq, q0 + vi, vd]
+                            else:
+                                dOs[vi, vd] = T.cast(0, dtype)
+                    for i in T.serial(BQ):
+                        with T.sblock("row_load"):
+                            vi = T.axis.remap("S", [i])
+                            if q0 + vi < Lq:
+                                lse_s[vi] = LSE[vb, hq, q0 + vi]
+                                delta_s[vi] = Delta[vb, hq, q0 + vi]
+                            else:
+                                lse_s[vi] = neg_inf()
+                                delta_s[vi] = T.float32(0)
+                    for j, i, d in T.grid(BK, BQ, D):
+                        with T.sblock("St_gemm"):
+                            vj, vi, vd = T.axis.remap("SSR", [j, i, d])
+                            with T.init():
+                                St[vj, vi] = T.float32(0)
+                            St[vj, vi] = St[vj, vi] + T.cast(Ks[vj, vd], f32) * T.cast(Qs[vi, vd], f32)
+                    for j, i in T.grid(BK, BQ):
+                        with T.sblock("P"):
+                            vj, vi = T.axis.remap("SS", [j, i])
+                            Pt[vj, vi] = _prob(causal, St[vj, vi], scale2, lse_s[vi], q0 + vi, k0 + vj, Lq, Lk)
+                    for j, d, i in T.grid(BK, D, BQ):
+                        with T.sblock("dV_gemm"):
+                            vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                            with T.init():
+                                dv_acc[vj, vd] = dv_acc[vj, vd]
+                            dv_acc[vj, vd] = dv_acc[vj, vd] + Pt[vj, vi] * T.cast(dOs[vi, vd], f32)
+                    for j, i, d in T.grid(BK, BQ, D):
+                        with T.sblock("dPt_gemm"):
+                            vj, vi, vd = T.axis.remap("SSR", [j, i, d])
+                            with T.init():
+                                dPt[vj, vi] = T.float32(0)
+                            dPt[vj, vi] = dPt[vj, vi] + T.cast(Vs[vj, vd], f32) * T.cast(dOs[vi, vd], f32)
+                    for j, i in T.grid(BK, BQ):
+                        with T.sblock("dS"):
+                            vj, vi = T.axis.remap("SS", [j, i])
+                            dSt[vj, vi] = Pt[vj, vi] * (dPt[vj, vi] - delta_s[vi])
+                    for j, d, i in T.grid(BK, D, BQ):
+                        with T.sblock("dK_gemm"):
+                            vj, vd, vi = T.axis.remap("SSR", [j, d, i])
+                            with T.init():
+                                dk_acc[vj, vd] = dk_acc[vj, vd]
+                            dk_acc[vj, vd] = dk_acc[vj, vd] + dSt[vj, vi] * T.cast(Qs[vi, vd], f32)
+
+                for j, d in T.grid(BK, D):
+                    with T.sblock("dK_store"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        if k0 + vj < Lk:
+                            dK[vb, vhk, k0 + vj, vd] = T.cast(dk_acc[vj, vd] * scale, dtype)
+                for j, d in T.grid(BK, D):
+                    with T.sblock("dV_store"):
+                        vj, vd = T.axis.remap("SS", [j, d])
+                        if k0 + vj < Lk:
+                            dV[vb, vhk, k0 + vj, vd] = T.cast(dv_acc[vj, vd], dtype)
+
+    return flash_dkv

@@ -1,0 +1,83 @@
+"""Pieces shared by every attention kernel: tile config, masking, the clamped exp2.
+
+Conventions used by all kernels
+-------------------------------
+* Layout ``(B, H, L, D)`` as torch SDPA; ``Hq = group * Hkv`` and query head ``h`` reads
+  key/value head ``h // group``.
+* Scores live in base-2 units: ``s2 = (q . k) * scale * log2(e)``, so softmax uses ``exp2``.
+* ``LSE`` is stored in natural-log units (``logsumexp`` of ``(q . k) * scale`` over visible
+  keys); a row that sees no key has ``LSE = -inf``, ``O = 0`` and zero gradients.
+* Every accumulator is float32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tile shape a schedule asks the kernel factory for.
+
+    ``block_q`` query rows and ``block_k`` key rows per tile; the schedule decides these
+    (they size the on-chip buffers), the factory only uses them.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+
+
+def neg_inf():
+    return tirx.const(NEG_INF, "float32")
+
+
+def exp2_clamped(x):
+    """``exp2(min(x, 0))`` for arguments that are <= 0 in exact arithmetic.
+
+    Rounding can push ``s2 - m`` or ``s2 - lse2`` slightly above zero; the clamp keeps a
+    probability at most 1 (and never lets exp2 overflow). Written as a select so a NaN
+    argument stays NaN instead of being clamped away.
+    """
+    return T.exp2(T.if_then_else(x > T.float32(0), T.float32(0), x))
+
+
+def causal_offset(causal: str, lq, lk):
+    """Column offset of the causal diagonal: key j visible to query i iff ``j <= i + offset``."""
+    if causal == "bottom-right":
+        return lk - lq
+    return tirx.const(0, "int64")
+
+
+def visible(causal: str, row, col, lq, lk):
+    """Whether key ``col`` is visible to query ``row`` (both absolute positions)."""
+    in_range = col < lk
+    if causal == "none":
+        return in_range
+    return tirx.all(in_range, col <= row + causal_offset(causal, lq, lk))
+
+
+def num_key_tiles(causal: str, q_last, lq, lk, block_k: int):
+    """Key tiles that hold at least one key visible to a query tile ending at row ``q_last``.
+
+    Tiles past the causal diagonal are skipped entirely, not masked.
+    """
+    all_tiles = T.ceildiv(lk, block_k)
+    if causal == "none":
+        return all_tiles
+    last_col = q_last + causal_offset(causal, lq, lk)
+    return T.min(all_tiles, T.ceildiv(T.max(last_col + 1, 0), block_k))
+
+
+def first_query_tile(causal: str, k0, lq, lk, block_q: int):
+    """First query tile that sees any key of a key tile starting at ``k0``."""
+    if causal == "none":
+        return tirx.const(0, "int64")
+    return T.min(T.max(k0 - causal_offset(causal, lq, lk), 0), lq) // block_q

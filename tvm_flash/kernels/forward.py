@@ -1,0 +1,161 @@
+"""Forward kernel: O = softmax(Q K^T * scale) V, plus the row logsumexp LSE.
+
+One tile of ``block_q`` query rows of one (batch, query head) walks the key tiles with an
+online softmax (running max ``m`` and sum ``l`` per row, both in base-2 units) and keeps the
+output accumulator in float32. Nothing of size Lq x Lk is ever written to global memory.
+
+Named blocks (the schedules find them by these names):
+``tile`` (one query tile), ``Q_load``, ``acc_init``, ``stats_init``, ``K_load``, ``V_load``,
+``S_gemm`` (S = Q K^T), ``row_max``, ``P`` (exp2), ``rescale`` (alpha = exp2(m - m_new)),
+``row_sum``, ``stats_update``, ``O_gemm`` (acc = acc * alpha + P V), ``O_store``, ``lse_store``.
+Each is a complete or reduction block (no block reads what it writes, but for the
+accumulating GEMMs), so schedules can split, bind and tensorize them freely.
+"""
+
+from __future__ import annotations
+
+from tvm.script import tirx as T
+
+from .common import LN2, LOG2E, TileConfig, exp2_clamped, neg_inf, num_key_tiles, visible
+
+
+def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
+    """Return the forward PrimFunc ``flash_fwd(q, k, v, o, lse, scale)``.
+
+    Shapes: q, o ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; lse ``(B, Hq, Lq)`` float32,
+    with ``Hq = group * Hkv``; B, Hq, Hkv, Lq, Lk symbolic.
+    """
+    D, BQ, BK = head_dim, tile.block_q, tile.block_k
+    f32 = "float32"
+
+    @T.prim_func(s_tir=True)
+    def flash_fwd(
+        q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
+        scale: T.float32,
+    ):
+        T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
+        B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
+        O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype)
+        LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
+
+        for b, h, qt in T.grid(B, Hq, T.ceildiv(Lq, BQ)):
+            with T.sblock("tile"):
+                vb, vh, vt = T.axis.remap("SSS", [b, h, qt])
+                T.reads()
+                T.writes()
+                Qs = T.sblock_alloc_buffer((BQ, D), dtype)
+                Ks = T.sblock_alloc_buffer((BK, D), dtype)
+                Vs = T.sblock_alloc_buffer((BK, D), dtype)
+                S = T.sblock_alloc_buffer((BQ, BK), f32)
+                P = T.sblock_alloc_buffer((BQ, BK), f32)
+                acc = T.sblock_alloc_buffer((BQ, D), f32)
+                m = T.sblock_alloc_buffer((BQ,), f32)
+                lsum = T.sblock_alloc_buffer((BQ,), f32)
+                m_new = T.sblock_alloc_buffer((BQ,), f32)
+                l_new = T.sblock_alloc_buffer((BQ,), f32)
+                alpha = T.sblock_alloc_buffer((BQ,), f32)
+                hk: T.let[T.int64] = vh // group
+                q0: T.let[T.int64] = vt * BQ
+                scale2: T.let[T.float32] = scale * T.float32(LOG2E)
+
+                for i, d in T.grid(BQ, D):
+                    with T.sblock("Q_load"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        if q0 + vi < Lq:
+                            Qs[vi, vd] = Q[vb, vh, q0 + vi, vd]
+                        else:
+                            Qs[vi, vd] = T.cast(0, dtype)
+                for i, d in T.grid(BQ, D):
+                    with T.sblock("acc_init"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        acc[vi, vd] = T.float32(0)
+                for i in T.serial(BQ):
+                    with T.sblock("stats_init"):
+                        vi = T.axis.remap("S", [i])
+                        m[vi] = neg_inf()
+                        lsum[vi] = T.float32(0)
+
+                for kt in T.serial(num_key_tiles(causal, T.min(q0 + BQ, Lq) - 1, Lq, Lk, BK)):
+                    k0: T.let[T.int64] = kt * BK
+                    for j, d in T.grid(BK, D):
+                        with T.sblock("K_load"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            if k0 + vj < Lk:
+                                Ks[vj, vd] = K[vb, hk, k0 + vj, vd]
+                            else:
+                                Ks[vj, vd] = T.cast(0, dtype)
+                    for j, d in T.grid(BK, D):
+                        with T.sblock("V_load"):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            if k0 + vj < Lk:
+                                Vs[vj, vd] = V[vb, hk, k0 + vj, vd]
+                            else:
+                                Vs[vj, vd] = T.cast(0, dtype)
+                    for i, j, d in T.grid(BQ, BK, D):
+                        with T.sblock("S_gemm"):
+                            vi, vj, vd = T.axis.remap("SSR", [i, j, d])
+                            with T.init():
+                                S[vi, vj] = T.float32(0)
+                            S[vi, vj] = S[vi, vj] + T.cast(Qs[vi, vd], f32) * T.cast(Ks[vj, vd], f32)
+                    for i, j in T.grid(BQ, BK):
+                        with T.sblock("row_max"):
+                            vi, vj = T.axis.remap("SR", [i, j])
+                            with T.init():
+                                m_new[vi] = m[vi]
+                            m_new[vi] = T.max(m_new[vi], T.if_then_else(
+                                visible(causal, q0 + vi, k0 + vj, Lq, Lk), S[vi, vj] * scale2, neg_inf()
+                            ))
+                    for i, j in T.grid(BQ, BK):
+                        with T.sblock("P"):
+                            vi, vj = T.axis.remap("SS", [i, j])
+                            P[vi, vj] = T.if_then_else(
+                                visible(causal, q0 + vi, k0 + vj, Lq, Lk),
+                                exp2_clamped(S[vi, vj] * scale2 - m_new[vi]),
+                                T.float32(0),
+                            )
+                    for i in T.serial(BQ):
+                        with T.sblock("rescale"):
+                            vi = T.axis.remap("S", [i])
+                            # m_new == -inf: no visible key yet, acc and l are still zero.
+                            alpha[vi] = T.if_then_else(
+                                m_new[vi] == neg_inf(), T.float32(1), exp2_clamped(m[vi] - m_new[vi])
+                            )
+                    for i, j in T.grid(BQ, BK):
+                        with T.sblock("row_sum"):
+                            vi, vj = T.axis.remap("SR", [i, j])
+                            with T.init():
+                                l_new[vi] = lsum[vi] * alpha[vi]
+                            l_new[vi] = l_new[vi] + P[vi, vj]
+                    for i in T.serial(BQ):
+                        with T.sblock("stats_update"):
+                            vi = T.axis.remap("S", [i])
+                            m[vi] = m_new[vi]
+                            lsum[vi] = l_new[vi]
+                    for i, d, j in T.grid(BQ, D, BK):
+                        with T.sblock("O_gemm"):
+                            vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                            with T.init():
+                                acc[vi, vd] = acc[vi, vd] * alpha[vi]
+                            acc[vi, vd] = acc[vi, vd] + P[vi, vj] * T.cast(Vs[vj, vd], f32)
+
+                for i, d in T.grid(BQ, D):
+                    with T.sblock("O_store"):
+                        vi, vd = T.axis.remap("SS", [i, d])
+                        if q0 + vi < Lq:
+                            O[vb, vh, q0 + vi, vd] = T.cast(T.if_then_else(
+                                lsum[vi] > T.float32(0), acc[vi, vd] / lsum[vi], T.float32(0)
+                            ), dtype)
+                for i in T.serial(BQ):
+                    with T.sblock("lse_store"):
+                        vi = T.axis.remap("S", [i])
+                        if q0 + vi < Lq:
+                            LSE[vb, vh, q0 + vi] = T.if_then_else(
+                                lsum[vi] > T.float32(0),
+                                (m[vi] + T.log2(lsum[vi])) * T.float32(LN2),
+                                neg_inf(),
+                            )
+
+    return flash_fwd

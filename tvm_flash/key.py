@@ -1,0 +1,75 @@
+"""The one frozen key that names every kernel, built module, cache entry and tuning log.
+
+A :class:`KernelKey` fixes everything that changes generated code: which kernel (``op``), the
+head dimension, the input dtype, the causal mode, the GQA group size and the target tag.
+Batch, head count and sequence lengths are *not* in the key: every kernel takes them
+symbolically, so one module serves every shape of its key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+OPS = ("fwd", "bwd_pre", "dq", "dkv")
+"""Kernels: forward (O, LSE); backward preprocess (Delta = rowsum(dO * O)); dQ; dK/dV."""
+
+DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+"""Supported input dtypes (TVM spelling -> short name used in file names)."""
+
+CAUSAL_MODES = ("none", "top-left", "bottom-right")
+"""``top-left``: key j is visible to query i iff j <= i (torch ``is_causal``).
+``bottom-right``: iff j <= i + (Lk - Lq) (flash-attn >= 2.1); the two agree when Lq == Lk."""
+
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+"""Head dimensions the kernels are written for (multiples of 32 up to 256)."""
+
+
+def dtype_name(dtype) -> str:
+    """Normalise a dtype given as torch dtype, TVM string or short name to the TVM string."""
+    s = str(dtype).replace("torch.", "")
+    short = {v: k for k, v in DTYPES.items()}
+    s = short.get(s, s)
+    if s not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not supported; use one of {sorted(DTYPES)}")
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelKey:
+    """Identity of one compiled kernel.
+
+    ``target`` is a target tag as made by :func:`tvm_flash.targets.parse_target`, e.g. ``llvm``,
+    ``cuda-sm_90`` or ``metal-apple-m2``.
+    """
+
+    op: str
+    head_dim: int
+    dtype: str
+    causal: str
+    group: int
+    target: str
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"op: {self.op!r} is not one of {OPS}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim: {self.head_dim} is not supported; use one of {HEAD_DIMS}")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.causal not in CAUSAL_MODES:
+            raise ValueError(f"causal: {self.causal!r} is not one of {CAUSAL_MODES}")
+        if not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"group: {self.group!r} must be a positive integer")
+        if not re.fullmatch(r"[a-z0-9_.-]+", self.target):
+            raise ValueError(f"target: {self.target!r} is not a target tag")
+
+    @property
+    def name(self) -> str:
+        """File-system safe name, e.g. ``fwd-d64-bf16-top-left-g4-cuda-sm_90``."""
+        return (
+            f"{self.op}-d{self.head_dim}-{DTYPES[self.dtype]}-{self.causal}-g{self.group}"
+            f"-{self.target}"
+        )
+
+    def replace(self, **changes) -> KernelKey:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,156 @@
+"""PyTorch binding: input checks, kernel launches through DLPack, autograd.
+
+The compiled kernels take torch tensors directly (tvm-ffi reads them through DLPack): no host
+copies, no ``.numpy()``. CUDA kernels run on PyTorch's current stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import tvm_ffi
+
+from .build import kernel, target_tag_for_device
+from .key import HEAD_DIMS, KernelKey
+
+_TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
+
+
+def _launch(op: str, meta: dict, *args) -> None:
+    device = args[0].device
+    key = KernelKey(op=op, target=target_tag_for_device(device), **meta)
+    fn = kernel(key)
+    if device.type == "cuda":
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", device.index), stream):
+            fn(*args)
+    else:
+        fn(*args)
+
+
+def _meta(q, k, causal: str) -> dict:
+    return {"head_dim": q.shape[-1], "dtype": _TORCH_DTYPES[q.dtype], "causal": causal,
+            "group": q.shape[1] // k.shape[1]}
+
+
+def flash_forward(q, k, v, causal: str, scale: float):
+    """Run the forward kernel: returns ``(out, lse)``. Inputs must already be validated."""
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if k.shape[2] == 0:  # no keys at all: every row is empty
+        return out.zero_(), lse.fill_(-math.inf)
+    _launch("fwd", _meta(q, k, causal), q, k, v, out, lse, scale)
+    return out, lse
+
+
+def flash_backward(do, q, k, v, out, lse, causal: str, scale: float):
+    """Run preprocess, dQ and dK/dV: returns ``(dq, dk, dv)``."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    meta = _meta(q, k, causal)
+    delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    _launch("bwd_pre", {**meta, "causal": "none", "group": 1}, out, do, delta)
+    _launch("dq", meta, q, k, v, do, lse, delta, dq, scale)
+    _launch("dkv", meta, q, k, v, do, lse, delta, dk, dv, scale)
+    return dq, dk, dv
+
+
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        out, lse = flash_forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_backward(dout.contiguous(), q, k, v, out, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool) -> float:
+    """Validate the public arguments; return the softmax scale to use.
+
+    Every error names the argument and what is supported.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dimensions (B, H, L, D), got shape "
+                             f"{tuple(t.shape)}")
+        if t.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of "
+                            f"{[str(d) for d in _TORCH_DTYPES]}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: device {t.device} differs from q's {q.device}")
+    if q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q: device {q.device} is not supported; use a cpu or cuda tensor")
+    b, hq, _, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)} "
+                         "(same batch, heads, key length and head_dim required)")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k: shape {tuple(k.shape)} does not match q's batch {b} and "
+                         f"head_dim {d}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"q: head_dim {d} is not supported; use one of {HEAD_DIMS}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"k: {hkv} key/value heads do not divide q's {hq} query heads")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"k: {hkv} key/value heads differ from q's {hq} heads; pass "
+                         "enable_gqa=True for grouped-query attention")
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale: must be a finite positive number, got {scale}")
+    return scale
+
+
+def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
+              enable_gqa: bool = False, causal_alignment: str = "top-left",
+              return_lse: bool = False):
+    """Flash attention, forward and backward, with torch SDPA's semantics.
+
+    Args:
+        q: queries ``(B, Hq, Lq, D)``.
+        k: keys ``(B, Hkv, Lk, D)``; ``Hkv`` divides ``Hq`` (GQA/MQA need ``enable_gqa``).
+        v: values ``(B, Hkv, Lk, D)``.
+        is_causal: mask keys after the query's position.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        enable_gqa: allow ``Hkv < Hq``; query head ``h`` uses key/value head ``h // (Hq/Hkv)``.
+        causal_alignment: ``"top-left"`` (torch ``is_causal``: key j visible to query i iff
+            ``j <= i``) or ``"bottom-right"`` (flash-attn >= 2.1: iff ``j <= i + Lk - Lq``).
+            The two differ only when ``Lq != Lk``.
+        return_lse: also return the row logsumexp.
+
+    Returns:
+        ``out`` ``(B, Hq, Lq, D)`` in the input dtype; with ``return_lse`` also ``lse``
+        ``(B, Hq, Lq)`` float32, natural-log units, ``-inf`` for a row that sees no key (its
+        output and gradients are zero).
+
+    q, k, v are float16, bfloat16 or float32 on one CPU or CUDA device; D is one of
+    ``tvm_flash.HEAD_DIMS``. Accumulation is float32. Non-contiguous inputs are copied to a
+    contiguous layout first. The backward is deterministic (no atomics).
+    """
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment: {causal_alignment!r} is not one of "
+                         f"{CAUSAL_ALIGNMENTS}")
+    causal = causal_alignment if is_causal else "none"
+    scale = check_inputs(q, k, v, causal=causal, scale=scale, enable_gqa=enable_gqa)
+    out, lse = FlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+    return (out, lse) if return_lse else out
+
