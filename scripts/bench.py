@@ -26,7 +26,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-import tvm_flash
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+import tvm_flash  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("fwd", "bwd", "fwd+bwd")

@@ -19,9 +19,11 @@ import threading
 import tvm
 import tvm_ffi
 
-from . import schedules
+from . import _schedules_path
 from .kernels import FACTORIES
 from .key import KernelKey
+
+schedules = _schedules_path.load()
 
 SYMBOLS = {"fwd": "flash_fwd", "bwd_pre": "flash_bwd_pre", "dq": "flash_dq", "dkv": "flash_dkv"}
 """Name of the entry function of each kernel's module."""
