@@ -4,9 +4,12 @@ import tempfile
 import pytest
 import torch
 
-# A private module cache per test session unless the caller chose one.
+# Tests build the kernels they need on first use (into a private cache unless the caller chose
+# one); set TVM_FLASH_ARTIFACTS to test prebuilt artifacts instead (keys missing there are
+# then still built just in time).
 os.environ.setdefault("TVM_FLASH_CACHE",
                       os.path.join(tempfile.gettempdir(), "tvm-flash-test-cache"))
+os.environ.setdefault("TVM_FLASH_JIT", "1")
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -9,7 +9,8 @@ import tvm
 from conftest import DEVICES
 
 from tvm_flash import KernelKey, attention, attention_reference
-from tvm_flash.build import kernel, make_target, scheduled_module, target_tag_for_device
+from tvm_flash.artifacts import kernel
+from tvm_flash.build import make_target, scheduled_module, target_tag_for_device
 from tvm_flash.kernels import FACTORIES, TileConfig
 
 OPS = ["fwd", "bwd_pre", "dq", "dkv"]

@@ -4,9 +4,12 @@
 ``torch.nn.functional.scaled_dot_product_attention`` on CPU and CUDA tensors.
 """
 
+from .artifacts import ArtifactError, allow_jit, use_artifacts
 from .key import CAUSAL_MODES, HEAD_DIMS, OPS, KernelKey
+from .nn import scaled_dot_product_attention
 from .ops import attention
 from .reference import attention_reference
 
-__all__ = ["CAUSAL_MODES", "HEAD_DIMS", "OPS", "KernelKey", "attention", "attention_reference"]
+__all__ = ["CAUSAL_MODES", "HEAD_DIMS", "OPS", "ArtifactError", "KernelKey", "allow_jit",
+           "attention", "attention_reference", "scaled_dot_product_attention", "use_artifacts"]
 __version__ = "0.1.0"

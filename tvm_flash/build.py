@@ -1,20 +1,15 @@
-"""Turn a :class:`KernelKey` into a compiled module: kernel factory + target schedule + build.
+"""Compile a :class:`KernelKey`: kernel factory + target schedule -> runtime module (+ device code).
 
-Built modules are cached in memory (once per process) and on disk under
-``$TVM_FLASH_CACHE`` (default ``~/.cache/tvm-flash``), in a file named by the key and a
-fingerprint of the scheduled kernel and the TVM / tvm-ffi versions, so a change to a kernel,
-a schedule or the compiler never reuses a stale module.
+This module only compiles; :mod:`tvm_flash.artifacts` decides where compiled kernels live
+and how they are loaded.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import os
-import pathlib
-import tempfile
-import threading
+import shutil
 
 import tvm
 import tvm_ffi
@@ -33,12 +28,30 @@ def target_kind(tag: str) -> str:
     return tag.split("-", 1)[0]
 
 
+def parse_target(spec: str) -> str:
+    """Target tag from a user spec: ``llvm``, ``cuda:sm_90`` / ``cuda-sm_90``, or ``cuda``
+    (the local GPU's arch)."""
+    spec = spec.strip().lower().replace(":", "-")
+    if spec in ("llvm", "cpu"):
+        return "llvm"
+    if spec == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("target: 'cuda' needs a visible GPU to pick the arch; name it, "
+                             "e.g. cuda:sm_90")
+        major, minor = torch.cuda.get_device_capability()
+        return f"cuda-sm_{major}{minor}"
+    if spec.startswith("cuda-sm_") and spec[len("cuda-sm_"):].isdigit():
+        return spec
+    raise ValueError(f"target: {spec!r} is not one of llvm, cuda, cuda:sm_XY")
+
+
 def make_target(tag: str) -> tvm.target.Target:
     """TVM target for a target tag: ``llvm`` or ``cuda-sm_XY``."""
-    kind = target_kind(tag)
     if tag == "llvm":
         return tvm.target.Target({"kind": "llvm"})
-    if kind == "cuda" and tag.startswith("cuda-sm_"):
+    if tag.startswith("cuda-sm_"):
         return tvm.target.Target({"kind": "cuda", "arch": tag[len("cuda-"):]})
     raise ValueError(f"target: unknown target tag {tag!r}; use 'llvm' or 'cuda-sm_XY'")
 
@@ -72,37 +85,31 @@ def fingerprint(mod: tvm.IRModule) -> str:
     return h.hexdigest()[:16]
 
 
-def cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("TVM_FLASH_CACHE", "~/.cache/tvm-flash")).expanduser()
-
-
 def compile_module(key: KernelKey, mod: tvm.IRModule | None = None):
-    """Compile ``key`` for its target and return the runtime module (no caching)."""
+    """Lower ``key`` for its target. For CUDA the result holds CUDA source, see
+    :func:`compile_device_code`."""
     mod = scheduled_module(key) if mod is None else mod
-    if target_kind(key.target) == "cuda":
-        importlib.import_module("tvm.support.nvcc")  # registers the CUDA compile callback
     return tvm.tirx.build(mod, target=make_target(key.target))
 
 
-_lock = threading.Lock()
+def cuda_source(module) -> str:
+    return module.imports[0].inspect_source()
 
 
-@functools.cache
-def _load(key: KernelKey):
-    mod = scheduled_module(key)
-    path = cache_dir() / f"{key.name}-{fingerprint(mod)}.so"
-    if not path.exists():
-        built = compile_module(key, mod)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # write to a private name, then rename: concurrent builders never see half a file
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            part = pathlib.Path(tmp) / path.name
-            built.export_library(str(part))
-            os.replace(part, path)
-    return tvm_ffi.load_module(str(path))[SYMBOLS[key.op]]
+def cuda_compiler() -> str:
+    """``nvcc`` where it is installed, else NVRTC; ``TVM_CUDA_COMPILE_MODE`` overrides."""
+    return os.environ.get("TVM_CUDA_COMPILE_MODE") or ("nvcc" if shutil.which("nvcc") else
+                                                       "nvrtc")
 
 
-def kernel(key: KernelKey):
-    """The callable entry function of ``key``'s module, built on first use and cached."""
-    with _lock:
-        return _load(key)
+def compile_device_code(key: KernelKey, source: str) -> bytes:
+    """Compile CUDA source ahead of time for the key's arch (no GPU needed with nvcc)."""
+    nvcc = importlib.import_module("tvm.support.nvcc")
+    arch = key.target[len("cuda-"):]
+    sm = arch[len("sm_"):]
+    compiler = cuda_compiler()
+    fmt = "fatbin" if compiler == "nvcc" else "cubin"
+    with make_target(key.target):
+        arch_opt = ["-gencode", f"arch=compute_{sm},code={arch}"] if compiler == "nvcc" else arch
+        return bytes(nvcc.compile_cuda(source, target_format=fmt, arch=arch_opt,
+                                       compiler=compiler))

@@ -11,7 +11,8 @@ import math
 import torch
 import tvm_ffi
 
-from .build import kernel, target_tag_for_device
+from .artifacts import kernel
+from .build import target_tag_for_device
 from .key import HEAD_DIMS, KernelKey
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -60,20 +61,50 @@ def flash_backward(do, q, k, v, out, lse, causal: str, scale: float):
     return dq, dk, dv
 
 
-class FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        out, lse = flash_forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, scale
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+# ----------------------------------------------------------------------- torch custom ops
+# Opaque to torch.compile (no graph break), with fake impls for tracing and an autograd
+# formula that calls the backward op.
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_backward(dout.contiguous(), q, k, v, out, lse, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+
+@torch.library.custom_op("tvm_flash::fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, causal, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("tvm_flash::bwd", mutates_args=())
+def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            out: torch.Tensor, lse: torch.Tensor, causal: str,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return flash_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
+                          out.contiguous(), lse.contiguous(), causal, scale)
+
+
+@_bwd_op.register_fake
+def _(do, q, k, v, out, lse, causal, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool) -> float:
@@ -151,6 +182,6 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
                          f"{CAUSAL_ALIGNMENTS}")
     causal = causal_alignment if is_causal else "none"
     scale = check_inputs(q, k, v, causal=causal, scale=scale, enable_gqa=enable_gqa)
-    out, lse = FlashAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+    out, lse = _fwd_op(q, k, v, causal, scale)
     return (out, lse) if return_lse else out
 

@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""Compile tvm-flash kernels for a target and write them, with a manifest, to a directory.
+
+Runs without a GPU: CUDA device code is compiled ahead of time with nvcc (or NVRTC) for the
+named arch. One exported module per kernel key (forward, backward preprocess, dQ, dK/dV for
+each head dim x dtype x causal mode x GQA group) plus ``manifest.json``.
+
+Examples:
+    python scripts/build.py                          # the local machine: its GPU, else CPU
+    python scripts/build.py --target cuda:sm_90 --head-dims 64,128 --dtypes bf16,fp16
+    python scripts/build.py --target llvm --out artifacts/llvm
+
+Point training at the result with ``TVM_FLASH_ARTIFACTS=DIR`` or
+``tvm_flash.use_artifacts(DIR)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import itertools
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from tvm_flash import artifacts  # noqa: E402
+from tvm_flash.build import parse_target, schedules, target_kind  # noqa: E402
+from tvm_flash.key import CAUSAL_MODES, DTYPES, HEAD_DIMS, KernelKey  # noqa: E402
+
+SHORT = {v: k for k, v in DTYPES.items()}
+
+
+def _csv(text, convert=str):
+    return [convert(x) for x in text.split(",") if x]
+
+
+def default_target() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+    except ImportError:
+        pass
+    return "llvm"
+
+
+def plan(target: str, head_dims, dtypes, causals, groups) -> list[KernelKey]:
+    """Every kernel key to build (the preprocess kernel depends on head dim and dtype only)."""
+    keys = []
+    for d, dt in itertools.product(head_dims, dtypes):
+        keys.append(KernelKey("bwd_pre", d, dt, "none", 1, target))
+        for causal, g in itertools.product(causals, groups):
+            keys += [KernelKey(op, d, dt, causal, g, target) for op in ("fwd", "dq", "dkv")]
+    return keys
+
+
+def check_supported(keys) -> None:
+    """Fail before building anything if a requested combination cannot be built."""
+    for key in keys:
+        sched = schedules.for_target(target_kind(key.target))
+        try:
+            sched.tile_config(key)
+        except ValueError as err:
+            sys.exit(f"error: {key.name} is not supported on {key.target}: {err}")
+
+
+def _build_one(key: KernelKey, out: pathlib.Path):
+    start = time.time()
+    entry = artifacts.build_artifact(key, out)
+    return entry, time.time() - start
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None,
+                   help="llvm | cuda (the local GPU's arch) | cuda:sm_80 | cuda:sm_90 ... "
+                        "(default: cuda if a GPU is visible, else llvm)")
+    p.add_argument("--head-dims", default="64,128",
+                   help=f"comma list from {','.join(map(str, HEAD_DIMS))} (default 64,128)")
+    p.add_argument("--dtypes", default=None,
+                   help="comma list of bf16, fp16, fp32 (default: bf16,fp16 for CUDA; "
+                        "bf16,fp16,fp32 for llvm)")
+    p.add_argument("--causal", default=",".join(CAUSAL_MODES),
+                   help=f"comma list of {', '.join(CAUSAL_MODES)} (default: all)")
+    p.add_argument("--gqa", default="1",
+                   help="comma list of GQA group sizes Hq/Hkv, e.g. 1,2,4,8 (default 1)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default: artifacts/<target tag>)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="parallel compiler processes (default: number of CPUs)")
+    args = p.parse_args(argv)
+
+    try:
+        target = parse_target(args.target or default_target())
+        dtypes = args.dtypes or ("bf16,fp16" if target != "llvm" else "bf16,fp16,fp32")
+        unknown = [d for d in _csv(dtypes) if d not in SHORT]
+        if unknown:
+            raise ValueError(f"--dtypes: {unknown} not in {sorted(SHORT)}")
+        keys = plan(target, _csv(args.head_dims, int), [SHORT[d] for d in _csv(dtypes)],
+                    _csv(args.causal), _csv(args.gqa, int))
+    except ValueError as err:
+        p.error(str(err))
+    check_supported(keys)
+    out = pathlib.Path(args.out or f"artifacts/{target}")
+    print(f"building {len(keys)} kernels for {target} into {out}", flush=True)
+    entries, failures, start = [], [], time.time()
+    with cf.ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(_build_one, k, out): k for k in keys}
+        for i, fut in enumerate(cf.as_completed(futures), 1):
+            key = futures[fut]
+            try:
+                entry, secs = fut.result()
+            except Exception as err:  # noqa: BLE001 - report every failure, then exit non-zero
+                failures.append((key, err))
+                print(f"[{i:3}/{len(keys)}] FAILED {key.name}: {err}", flush=True)
+                continue
+            entries.append(entry)
+            print(f"[{i:3}/{len(keys)}] {key.name}  {secs:.1f}s", flush=True)
+    if failures:
+        print(f"error: {len(failures)} of {len(keys)} kernels failed; manifest not written",
+              file=sys.stderr)
+        return 1
+    manifest = artifacts.write_manifest(out, target, entries)
+    size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    print(f"built {len(entries)} kernels in {time.time() - start:.0f}s, "
+          f"{size / 2**20:.1f} MiB; manifest {manifest}")
+    print(f"use them with: TVM_FLASH_ARTIFACTS={out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

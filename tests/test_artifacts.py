@@ -1,0 +1,163 @@
+"""scripts/build.py artifacts: build, manifest, loading without compiling, refusals."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import HAS_CUDA
+
+import tvm_flash
+from tvm_flash import ArtifactError, KernelKey, artifacts
+from tvm_flash.build import target_tag_for_device
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BUILD = [sys.executable, str(ROOT / "scripts" / "build.py")]
+
+
+def _build(*args, check=True):
+    return subprocess.run(BUILD + list(args), capture_output=True, text=True, check=check,
+                          cwd=ROOT)
+
+
+@pytest.fixture
+def artifact_mode():
+    """Load only from artifacts (no JIT) inside the test; restore the defaults afterwards."""
+    yield
+    tvm_flash.use_artifacts(None)
+    tvm_flash.allow_jit(None)
+
+
+@pytest.fixture(scope="module")
+def llvm_artifacts(tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "llvm"
+    res = _build("--target", "llvm", "--head-dims", "64", "--dtypes", "fp32,bf16", "--causal",
+                 "top-left", "--gqa", "2", "--out", str(out), "--jobs", "2")
+    assert "built 8 kernels" in res.stdout, res.stdout + res.stderr
+    return out
+
+
+def test_build_writes_manifest(llvm_artifacts):
+    manifest = json.loads((llvm_artifacts / "manifest.json").read_text())
+    assert manifest["target"] == "llvm"
+    assert {"tvm", "tvm_ffi", "torch"} <= set(manifest["versions"])
+    assert "tuning_log" in manifest
+    assert len(manifest["kernels"]) == 8
+    for name, entry in manifest["kernels"].items():
+        assert KernelKey(**entry["key"]).name == name
+        assert (llvm_artifacts / entry["file"]).exists()
+        assert len(entry["fingerprint"]) == 16
+
+
+def test_load_from_artifacts_without_jit(llvm_artifacts, artifact_mode):
+    tvm_flash.use_artifacts(llvm_artifacts)
+    tvm_flash.allow_jit(False)
+    q = torch.randn(1, 4, 33, 64, requires_grad=True)
+    k, v = torch.randn(1, 2, 33, 64), torch.randn(1, 2, 33, 64)
+    out = tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True)
+    out.sum().backward()
+    ref, _ = tvm_flash.attention_reference(q.detach(), k, v, causal="top-left")
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_missing_artifact_names_key_and_command(llvm_artifacts, artifact_mode):
+    tvm_flash.use_artifacts(llvm_artifacts)
+    tvm_flash.allow_jit(False)
+    q = k = v = torch.randn(1, 2, 9, 64)  # MHA (group 1) was not built
+    with pytest.raises(ArtifactError) as err:
+        tvm_flash.attention(q, k, v, is_causal=True)
+    msg = str(err.value)
+    assert "fwd-d64-fp32-top-left-g1-llvm" in msg
+    assert "scripts/build.py --target llvm --head-dims 64 --dtypes fp32 --causal top-left " \
+           "--gqa 1" in msg
+
+
+def test_other_source_is_refused(llvm_artifacts, tmp_path, artifact_mode):
+    copy = tmp_path / "llvm"
+    shutil.copytree(llvm_artifacts, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for entry in manifest["kernels"].values():
+        entry["fingerprint"] = "0" * 16
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    tvm_flash.use_artifacts(copy)
+    tvm_flash.allow_jit(False)
+    q, k, v = torch.randn(1, 4, 9, 64), torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)
+    with pytest.raises(ArtifactError, match="built from other kernel source"):
+        tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_other_target_is_refused(llvm_artifacts, tmp_path, artifact_mode):
+    """A manifest for another arch never serves this device."""
+    copy = tmp_path / "sm80"
+    shutil.copytree(llvm_artifacts, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["target"] = "cuda-sm_80"
+    manifest["kernels"] = {}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    tvm_flash.use_artifacts(copy)
+    tvm_flash.allow_jit(False)
+    q = torch.randn(1, 2, 9, 64)
+    with pytest.raises(ArtifactError, match="built for cuda-sm_80, this device needs llvm"):
+        tvm_flash.attention(q, q, q)
+
+
+def test_build_rejects_unsupported_requests(tmp_path):
+    for args, text in ((["--head-dims", "48"], "head_dim"), (["--dtypes", "fp8"], "--dtypes"),
+                       (["--target", "rocm"], "target")):
+        res = _build("--out", str(tmp_path / "x"), *args, check=False)
+        assert res.returncode != 0
+        assert text in res.stderr, res.stderr
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_cross_build_without_gpu(tmp_path):
+    """sm_90 and sm_80 device code is compiled ahead of time on a machine without a GPU."""
+    for arch in ("sm_90", "sm_80"):
+        out = tmp_path / arch
+        res = _build("--target", f"cuda:{arch}", "--head-dims", "64", "--dtypes", "bf16",
+                     "--causal", "none", "--out", str(out), "--jobs", "2")
+        assert res.returncode == 0, res.stderr
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["target"] == f"cuda-{arch}"
+        for entry in manifest["kernels"].values():
+            assert entry["arch"] == arch
+            code = (out / entry["device_code"]).read_bytes()
+            assert len(code) > 1000 and len(entry["source_sha256"]) == 64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not os.environ.get("TVM_FLASH_ARTIFACTS"),
+                    reason="needs a GPU and TVM_FLASH_ARTIFACTS built by scripts/build.py")
+def test_prebuilt_cuda_artifacts_load_without_compiling(artifact_mode, monkeypatch):
+    """Every kernel in the carried artifact directory loads and runs with JIT forbidden: the
+    CUDA compile callback is answered from the precompiled device code only."""
+    directory = pathlib.Path(os.environ["TVM_FLASH_ARTIFACTS"])
+    manifest = json.loads((directory / "manifest.json").read_text())
+    tag = target_tag_for_device(torch.device("cuda"))
+    assert manifest["target"] == tag
+    tvm_flash.use_artifacts(directory)
+    tvm_flash.allow_jit(False)
+    compiled = []
+    monkeypatch.setattr(artifacts, "_compile_fallback", [lambda code: compiled.append(code)])
+    for entry in manifest["kernels"].values():
+        key = KernelKey(**entry["key"])
+        if key.op != "fwd":
+            continue
+        dtype = getattr(torch, key.dtype)
+        q = torch.randn(2, 2 * key.group, 77, key.head_dim, dtype=dtype, device="cuda",
+                        requires_grad=True)
+        k = torch.randn(2, 2, 77, key.head_dim, dtype=dtype, device="cuda")
+        v = torch.randn_like(k)
+        out = tvm_flash.attention(q, k, v, is_causal=key.causal != "none", enable_gqa=True,
+                                  causal_alignment="top-left" if key.causal == "none"
+                                  else key.causal)
+        out.float().sum().backward()
+        ref, _ = tvm_flash.attention_reference(q.detach(), k, v, causal=key.causal)
+        assert (out.double() - ref).abs().max() < 0.05
+    torch.cuda.synchronize()
+    assert compiled == []

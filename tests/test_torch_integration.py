@@ -1,0 +1,110 @@
+"""Custom ops, torch.compile, CUDA graphs, the SDPA-compatible function and the module."""
+
+import pytest
+import torch
+from conftest import DEVICES
+
+import tvm_flash
+from tvm_flash.nn import SelfAttention, scaled_dot_product_attention
+
+
+def _qkv(device, dtype=torch.float32, lq=40, lk=40, hq=4, hkv=2, d=64):
+    q = torch.randn(2, hq, lq, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, hkv, lk, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, hkv, lk, d, device=device, dtype=dtype, requires_grad=True)
+    return q, k, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    q, k, v = _qkv(device)
+    torch.library.opcheck(torch.ops.tvm_flash.fwd.default, (q, k, v, "top-left", 0.125))
+    out, lse = torch.ops.tvm_flash.fwd(q, k, v, "top-left", 0.125)
+    do = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.tvm_flash.bwd.default,
+                          (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
+                           "top-left", 0.125))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_no_graph_break(device):
+    q, k, v = _qkv(device)
+
+    def step(q, k, v):
+        return (tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True) * 2).sum()
+
+    # On CPU aot_eager checks tracing (fake impls, autograd) without a C++ toolchain run;
+    # on CUDA the default inductor backend compiles the surrounding graph.
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref_loss = step(q, k, v)
+    ref_grads = torch.autograd.grad(ref_loss, (q, k, v))
+    torch.testing.assert_close(loss, ref_loss)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_graph_replay_is_identical():
+    q, k, v = _qkv("cuda", torch.bfloat16, lq=300, lk=300)
+    do = torch.randn(2, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm up: load modules, allocate outside the capture
+            eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(captured, eager, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_runs_on_current_stream():
+    """Work queued on a side stream is ordered by that stream, not the default one."""
+    q, k, v = _qkv("cuda", torch.float16, lq=512, lk=512)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        a = q * 1.0
+        out = tvm_flash.attention(a, k, v, enable_gqa=True)
+        expected = torch.nn.functional.scaled_dot_product_attention(a, k, v, enable_gqa=True)
+    side.synchronize()
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sdpa_compatible_function(device):
+    q, k, v = _qkv(device)
+    ours = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                           enable_gqa=True)
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="attn_mask"):
+        scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool))
+    with pytest.raises(ValueError, match="dropout_p"):
+        scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_self_attention_module_matches_sdpa(device):
+    torch.manual_seed(1)
+    ours = SelfAttention(256, heads=4, kv_heads=2, impl="tvm").to(device)
+    ref = SelfAttention(256, heads=4, kv_heads=2, impl="sdpa").to(device)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(2, 50, 256, device=device)
+    torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-4)

@@ -1,0 +1,73 @@
+"""Drop-in pieces for models: an SDPA-compatible function and a self-attention module.
+
+One-line swap in existing model code::
+
+    from tvm_flash.nn import scaled_dot_product_attention
+    # instead of torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .ops import attention
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0,
+                                 is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False):
+    """``torch.nn.functional.scaled_dot_product_attention``'s signature on tvm-flash kernels.
+
+    Shapes as there: query ``(B, Hq, Lq, D)``, key and value ``(B, Hkv, Lk, D)``; returns
+    ``(B, Hq, Lq, D)``. Arbitrary masks and dropout are not supported and raise (never a silent
+    fallback to another implementation); ``is_causal`` is torch's top-left causal mask.
+    """
+    if attn_mask is not None:
+        raise ValueError("attn_mask: tvm-flash supports only is_causal masking, not an "
+                         "explicit mask")
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p: tvm-flash has no attention dropout, got {dropout_p}")
+    return attention(query, key, value, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+class SelfAttention(nn.Module):
+    """Multi-head (or grouped-query) self-attention on ``(B, L, width)`` inputs.
+
+    ``heads`` query heads of size ``width // heads`` and ``kv_heads`` key/value heads
+    (``kv_heads`` divides ``heads``; fewer is GQA). ``impl="tvm"`` uses tvm-flash,
+    ``impl="sdpa"`` torch SDPA — the same module otherwise, for A/B comparisons.
+    """
+
+    def __init__(self, width: int, heads: int, kv_heads: int | None = None, *,
+                 causal: bool = True, impl: str = "tvm", bias: bool = False):
+        super().__init__()
+        kv_heads = kv_heads or heads
+        if width % heads:
+            raise ValueError(f"width: {width} is not a multiple of heads={heads}")
+        if heads % kv_heads:
+            raise ValueError(f"kv_heads: {kv_heads} does not divide heads={heads}")
+        if impl not in ("tvm", "sdpa"):
+            raise ValueError(f"impl: {impl!r} is not 'tvm' or 'sdpa'")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.causal, self.impl = causal, impl
+        self.qkv = nn.Linear(width, (heads + 2 * kv_heads) * self.head_dim, bias=bias)
+        self.proj = nn.Linear(width, width, bias=bias)
+
+    def forward(self, x: torch.Tensor, rotary=None) -> torch.Tensor:
+        b, length, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.qkv(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], -1)
+        q = q.view(b, length, self.heads, d).transpose(1, 2)
+        k = k.view(b, length, self.kv_heads, d).transpose(1, 2)
+        v = v.view(b, length, self.kv_heads, d).transpose(1, 2)
+        if rotary is not None:
+            q, k = rotary(q), rotary(k)
+        gqa = self.kv_heads != self.heads
+        if self.impl == "tvm":
+            o = attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=self.causal, enable_gqa=gqa)
+        return self.proj(o.transpose(1, 2).reshape(b, length, self.heads * d))
