@@ -5,8 +5,8 @@ An artifact directory (written by ``scripts/build.py``) holds, per :class:`Kerne
 * ``<key>.so`` — the exported TVM module (host code; for CUDA it embeds the CUDA source);
 * ``<key>.fatbin`` / ``<key>.cubin`` — CUDA only: the device code compiled ahead of time for
   the target arch, so a training machine never compiles CUDA;
-* an entry in ``manifest.json``: file names, target, arch, the kernel fingerprint (scheduled
-  kernel text + TVM/tvm-ffi versions), versions of everything that built it.
+* an entry in ``manifest.json``: file names, target, arch, the fingerprint of the kernel and
+  schedule sources it was built from, the TVM / tvm-ffi versions that built it.
 
 Where kernels come from, in order:
 
@@ -46,7 +46,6 @@ from .build import (
     cuda_compiler,
     cuda_source,
     fingerprint,
-    scheduled_module,
     target_kind,
 )
 from .key import DTYPES, KernelKey
@@ -96,6 +95,11 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("TVM_FLASH_CACHE", "~/.cache/tvm-flash")).expanduser()
 
 
+def _runtime_versions() -> dict:
+    """Versions a built module must be loaded with (its ABI)."""
+    return {"tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__}
+
+
 def versions() -> dict:
     import torch
 
@@ -121,12 +125,11 @@ def build_artifact(key: KernelKey, out_dir: pathlib.Path, with_fingerprint: bool
     Files are named by the key, and by its fingerprint too with ``with_fingerprint`` (the JIT
     cache, where builds of several kernel versions live side by side).
     """
-    mod = scheduled_module(key)
-    fp = fingerprint(mod)
-    built = compile_module(key, mod)
+    fp = fingerprint(key)
+    built = compile_module(key)
     stem = f"{key.name}-{fp}" if with_fingerprint else key.name
     entry = {"key": dataclasses.asdict(key), "target": key.target, "fingerprint": fp,
-             "file": f"{stem}.so"}
+             "file": f"{stem}.so", "runtime": _runtime_versions()}
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp = pathlib.Path(tmp)
@@ -218,11 +221,15 @@ def _open(directory: pathlib.Path, entry: dict, key: KernelKey):
         raise ArtifactError(f"{key.name}: artifact in {directory} was built for "
                             f"{entry['target']}, this device needs {key.target}; run "
                             f"{build_command(key)}")
-    expected = fingerprint(scheduled_module(key))
+    if entry.get("runtime") != _runtime_versions():
+        raise ArtifactError(f"{key.name}: artifact in {directory} was built with "
+                            f"{entry.get('runtime')}, this machine runs {_runtime_versions()}; "
+                            f"rebuild: {build_command(key, directory)}")
+    expected = fingerprint(key)
     if entry["fingerprint"] != expected:
         raise ArtifactError(
-            f"{key.name}: artifact in {directory} was built from other kernel source or "
-            f"compiler versions (fingerprint {entry['fingerprint']}, this install has "
+            f"{key.name}: artifact in {directory} was built from other kernel source "
+            f"(fingerprint {entry['fingerprint']}, this install has "
             f"{expected}); rebuild: {build_command(key, directory)}")
     if "device_code" in entry:
         _install_callback()
@@ -234,7 +241,7 @@ def _open(directory: pathlib.Path, entry: dict, key: KernelKey):
 def _from_cache(key: KernelKey):
     """JIT: build into the cache (once per key and fingerprint) and open from there."""
     directory = cache_dir() / key.target
-    fp = fingerprint(scheduled_module(key))
+    fp = fingerprint(key)
     sidecar = directory / f"{key.name}-{fp}.json"
     if sidecar.exists():
         entry = json.loads(sidecar.read_text())

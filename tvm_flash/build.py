@@ -1,4 +1,4 @@
-"""Compile a :class:`KernelKey`: kernel factory + target schedule -> runtime module (+ device code).
+"""Compile a :class:`KernelKey`: kernel factory + schedule -> runtime module (+ device code).
 
 This module only compiles; :mod:`tvm_flash.artifacts` decides where compiled kernels live
 and how they are loaded.
@@ -6,13 +6,14 @@ and how they are loaded.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import os
+import pathlib
 import shutil
 
 import tvm
-import tvm_ffi
 
 from . import _schedules_path
 from .kernels import FACTORIES
@@ -77,11 +78,31 @@ def scheduled_module(key: KernelKey) -> tvm.IRModule:
     return sch.mod
 
 
-def fingerprint(mod: tvm.IRModule) -> str:
-    """Digest of the scheduled kernel text and the compiler versions."""
+def _source_files() -> list[pathlib.Path]:
+    """The files whose text decides the generated code: kernels, schedules, key, compiler."""
+    pkg = pathlib.Path(__file__).resolve().parent
+    files = sorted((pkg / "kernels").glob("*.py"))
+    files += sorted(pathlib.Path(schedules.__file__).resolve().parent.glob("*.py"))
+    return files + [pkg / "key.py", pkg / "build.py"]
+
+
+@functools.cache
+def source_digest() -> str:
+    """Digest of the kernel, schedule and build sources (line endings normalised)."""
     h = hashlib.sha256()
-    h.update(mod.script().encode())
-    h.update(f"tvm={tvm.__version__};tvm_ffi={tvm_ffi.__version__}".encode())
+    for f in _source_files():
+        h.update(f.name.encode() + b"\0" + f.read_bytes().replace(b"\r\n", b"\n") + b"\0")
+    return h.hexdigest()
+
+
+def fingerprint(key: KernelKey) -> str:
+    """What an artifact of ``key`` was built from: the source digest, the key, its tile.
+
+    Deliberately text-based rather than a hash of the lowered IR, so the same checkout gives
+    the same fingerprint on every machine and Python version.
+    """
+    tile = schedules.for_target(target_kind(key.target)).tile_config(key)
+    h = hashlib.sha256(f"{source_digest()};{key.name};{tile}".encode())
     return h.hexdigest()[:16]
 
 
