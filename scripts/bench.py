@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -112,6 +114,8 @@ def flops(mode, b, hq, n, d, causal):
 
 
 def _commit():
+    if os.environ.get("TVM_FLASH_COMMIT"):  # a copy of the tree without .git
+        return os.environ["TVM_FLASH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
@@ -133,7 +137,10 @@ def main(argv=None):
                    help=f"comma list of {', '.join(BACKENDS)}")
     p.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement")
     p.add_argument("--out", default="bench-results", help="directory for results.json (+ png)")
+    p.add_argument("--replot", metavar="RESULTS_JSON", help="only redraw the plot of a run")
     args = p.parse_args(argv)
+    if args.replot:
+        return replot(args.replot)
     if not torch.cuda.is_available():
         sys.exit("bench.py needs a CUDA device")
 
@@ -199,6 +206,7 @@ def main(argv=None):
 
 
 def _plot(rows, backends, out):
+    """One panel per (dtype, D, GQA) x causal; colour = backend, solid = fwd, dashed = bwd."""
     try:
         import matplotlib
 
@@ -207,22 +215,38 @@ def _plot(rows, backends, out):
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    groups = sorted({(r["dtype"], r["D"], r["Hkv"] != r["Hq"], r["causal"], r["mode"])
-                     for r in rows})
-    fig, axes = plt.subplots(len(groups), 1, figsize=(7, 3 * len(groups)), squeeze=False)
-    for ax, g in zip(axes[:, 0], groups, strict=True):
-        sel = [r for r in rows if (r["dtype"], r["D"], r["Hkv"] != r["Hq"], r["causal"],
-                                   r["mode"]) == g]
-        for name in backends:
-            pts = [(r["N"], r["tflops"][name]) for r in sel if name in r["tflops"]]
+    panel_rows = sorted({(r["dtype"], r["D"], r["Hq"] // r["Hkv"]) for r in rows})
+    causals = sorted({r["causal"] for r in rows})
+    fig, axes = plt.subplots(len(panel_rows), len(causals), squeeze=False, sharey=True,
+                             figsize=(4.5 * len(causals), 2.6 * len(panel_rows)))
+    colors = dict(zip(backends, plt.rcParams["axes.prop_cycle"].by_key()["color"],
+                      strict=False))
+    for (i, prow), (j, causal) in itertools.product(enumerate(panel_rows), enumerate(causals)):
+        ax = axes[i, j]
+        for name, mode in itertools.product(backends, ("fwd", "bwd")):
+            pts = sorted((r["N"], r["tflops"][name]) for r in rows
+                         if (r["dtype"], r["D"], r["Hq"] // r["Hkv"]) == prow
+                         and r["causal"] == causal and r["mode"] == mode and name in r["tflops"])
             if pts:
-                ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+                ax.plot(*zip(*pts, strict=True), color=colors[name], marker=".",
+                        linestyle="-" if mode == "fwd" else "--", label=f"{name} {mode}")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{g[0]} D={g[1]} gqa={g[2]} causal={g[3]} {g[4]}")
+        ax.set_title(f"{prow[0]} D={prow[1]} gqa={prow[2]} causal={causal}", fontsize=9)
         ax.set_ylabel("TFLOP/s")
-        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(out / "tflops.png", dpi=80)
+    fig.savefig(out / "tflops.png", dpi=60)
+    plt.close(fig)
+
+
+def replot(results_json: str) -> None:
+    """Redraw the plot of an earlier run from its results.json."""
+    path = pathlib.Path(results_json)
+    data = json.loads(path.read_text())
+    backends = list(dict.fromkeys(n for r in data["rows"] for n in r["tflops"]))
+    _plot(data["rows"], backends, path.parent)
+    print(f"wrote {path.parent / 'tflops.png'}")
 
 
 if __name__ == "__main__":
