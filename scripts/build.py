@@ -47,13 +47,16 @@ def default_target() -> str:
     return "llvm"
 
 
-def plan(target: str, head_dims, dtypes, causals, groups) -> list[KernelKey]:
-    """Every kernel key to build (the preprocess kernel depends on head dim and dtype only)."""
+def plan(target: str, head_dims, dtypes, causals, groups, sinks=False) -> list[KernelKey]:
+    """Every kernel key to build (the preprocess kernel depends on head dim and dtype only;
+    with ``sinks`` the forward is built with and without sink logits)."""
     keys = []
     for d, dt in itertools.product(head_dims, dtypes):
         keys.append(KernelKey("bwd_pre", d, dt, "none", 1, target))
         for causal, g in itertools.product(causals, groups):
             keys += [KernelKey(op, d, dt, causal, g, target) for op in ("fwd", "dq", "dkv")]
+            if sinks:
+                keys.append(KernelKey("fwd", d, dt, causal, g, target, sinks=True))
     return keys
 
 
@@ -88,6 +91,8 @@ def main(argv=None) -> int:
                    help=f"comma list of {', '.join(CAUSAL_MODES)} (default: all)")
     p.add_argument("--gqa", default="1",
                    help="comma list of GQA group sizes Hq/Hkv, e.g. 1,2,4,8 (default 1)")
+    p.add_argument("--sinks", action="store_true",
+                   help="also build the forward with per-head sink logits")
     p.add_argument("--out", default=None,
                    help="output directory (default: artifacts/<target tag>)")
     p.add_argument("--jobs", type=int, default=None,
@@ -101,7 +106,7 @@ def main(argv=None) -> int:
         if unknown:
             raise ValueError(f"--dtypes: {unknown} not in {sorted(SHORT)}")
         keys = plan(target, _csv(args.head_dims, int), [SHORT[d] for d in _csv(dtypes)],
-                    _csv(args.causal), _csv(args.gqa, int))
+                    _csv(args.causal), _csv(args.gqa, int), args.sinks)
     except ValueError as err:
         p.error(str(err))
     check_supported(keys)

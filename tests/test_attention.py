@@ -1,75 +1,19 @@
-"""Correctness of forward and backward against a float64 reference.
-
-Tolerance, as flash-attention tests it: the error of ours (vs float64) may be at most 2x
-(output, LSE) or 3x (gradients) the error of the same maths done by PyTorch in the input
-precision, plus a small absolute floor.
-"""
+"""Correctness of forward and backward against a float64 reference (see checks.py)."""
 
 import math
 
 import pytest
 import torch
+from checks import check_against_reference, make_inputs
 from conftest import DEVICES
 
-from tvm_flash import attention, attention_reference
+from tvm_flash import attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 CAUSAL = ["none", "top-left", "bottom-right"]
 # (head_dim, query heads, key/value heads): MHA and GQA 4:1 at D=64, MQA 8:1 and MHA at D=128
 SHAPES = [(64, 4, 4), (64, 8, 2), (128, 8, 1), (128, 2, 2)]
 LENGTHS = [(1, 1), (7, 7), (97, 97), (128, 128), (7, 97), (97, 7)]
-
-
-def _inputs(b, hq, hkv, lq, lk, d, dtype, device):
-    q = torch.randn(b, hq, lq, d, dtype=dtype, device=device)
-    k = torch.randn(b, hkv, lk, d, dtype=dtype, device=device)
-    v = torch.randn(b, hkv, lk, d, dtype=dtype, device=device)
-    do = torch.randn(b, hq, lq, d, dtype=dtype, device=device)
-    return q, k, v, do
-
-
-def _reference(q, k, v, do, causal, dtype, scale=None):
-    """Output, LSE and gradients of the reference computed in ``dtype``."""
-    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = attention_reference(*leaves, causal=causal, scale=scale, dtype=dtype)
-    out.backward(do.to(dtype))
-    return out.detach(), lse.detach(), *(t.grad for t in leaves)
-
-
-def _err(a, b):
-    """Max and mean |a - b| in float64; entries that are -inf in both count as equal."""
-    a, b = a.double(), b.double()
-    both_inf = torch.isinf(a) & torch.isinf(b) & (a == b)
-    diff = torch.where(both_inf, 0.0, (a - b).abs())
-    if diff.numel() == 0:
-        return 0.0, 0.0
-    return diff.max().item(), diff.mean().item()
-
-
-def check_against_reference(q, k, v, do, causal, *, scale=None, enable_gqa=True):
-    dtype = q.dtype
-    is_causal = causal != "none"
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out, lse = attention(*leaves, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                         causal_alignment=causal if is_causal else "top-left", return_lse=True)
-    out.backward(do)
-    ours = [out.detach(), lse, *(t.grad for t in leaves)]
-    exact = _reference(q, k, v, do, causal, torch.float64, scale)
-    lowp = _reference(q, k, v, do, causal, dtype, scale)
-    names = ["out", "lse", "dq", "dk", "dv"]
-    for name, o, e, lp, mult in zip(names, ours, exact, lowp, [2, 2, 3, 3, 3], strict=True):
-        assert o.shape == e.shape, name
-        assert not torch.isnan(o).any(), f"{name}: NaN in output"
-        err, mean = _err(o, e)
-        ref_err, _ = _err(lp, e)
-        bound = mult * ref_err + FLOOR[dtype]
-        print(f"{name}: max err {err:.3g} (mean {mean:.3g}), torch {dtype} err {ref_err:.3g}, "
-              f"bound {bound:.3g}")
-        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"
-    # rows that see no key: LSE -inf exactly where the reference says so
-    assert torch.equal(torch.isinf(lse), torch.isinf(exact[1]))
-    return ours
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -78,7 +22,7 @@ def check_against_reference(q, k, v, do, causal, *, scale=None, enable_gqa=True)
 @pytest.mark.parametrize("causal", CAUSAL)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_reference(dtype, causal, d, hq, hkv, lq, lk, device):
-    q, k, v, do = _inputs(2, hq, hkv, lq, lk, d, dtype, device)
+    q, k, v, do = make_inputs(2, hq, hkv, lq, lk, d, dtype, device)
     check_against_reference(q, k, v, do, causal)
 
 
@@ -87,20 +31,20 @@ def test_matches_reference(dtype, causal, d, hq, hkv, lq, lk, device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_long_sequence(dtype, causal, device):
     """Lengths past several tiles, not a multiple of any tile size."""
-    q, k, v, do = _inputs(1, 2, 1, 1025, 1025, 64, dtype, device)
+    q, k, v, do = make_inputs(1, 2, 1, 1025, 1025, 64, dtype, device)
     check_against_reference(q, k, v, do, causal)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_custom_scale_and_lq_ne_lk(device):
-    q, k, v, do = _inputs(1, 4, 2, 33, 150, 128, torch.float16, device)
+    q, k, v, do = make_inputs(1, 4, 2, 33, 150, 128, torch.float16, device)
     check_against_reference(q, k, v, do, "bottom-right", scale=0.3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_backward_is_deterministic(dtype, device):
-    q, k, v, do = _inputs(2, 8, 2, 200, 300, 64, dtype, device)
+    q, k, v, do = make_inputs(2, 8, 2, 200, 300, 64, dtype, device)
 
     def grads():
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -115,7 +59,7 @@ def test_backward_is_deterministic(dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_fully_masked_rows_are_zero_not_nan(device):
     """Bottom-right with Lq > Lk: the first Lq - Lk query rows see no key."""
-    q, k, v, do = _inputs(1, 2, 2, 20, 5, 64, torch.float32, device)
+    q, k, v, do = make_inputs(1, 2, 2, 20, 5, 64, torch.float32, device)
     out, lse, dq, _, _ = check_against_reference(q, k, v, do, "bottom-right")
     assert torch.all(out[:, :, :15] == 0)
     assert torch.all(lse[:, :, :15] == -math.inf)
@@ -125,7 +69,7 @@ def test_fully_masked_rows_are_zero_not_nan(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_torch_sdpa(device):
     """The public function agrees with torch SDPA on SDPA's own semantics."""
-    q, k, v, _ = _inputs(2, 8, 2, 64, 80, 64, torch.float32, device)
+    q, k, v, _ = make_inputs(2, 8, 2, 64, 80, 64, torch.float32, device)
     for is_causal in (False, True):
         ours = attention(q, k, v, is_causal=is_causal, enable_gqa=True)
         theirs = torch.nn.functional.scaled_dot_product_attention(
@@ -134,7 +78,7 @@ def test_matches_torch_sdpa(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_non_contiguous_inputs(device):
+def test_non_contiguousmake_inputs(device):
     """A (B, L, H, D) tensor transposed to (B, H, L, D) works (copied to contiguous)."""
     base = torch.randn(3, 2, 50, 4, 64, device=device)  # (qkv, B, L, H, D)
     q, k, v = base.transpose(2, 3).unbind(0)
@@ -144,12 +88,12 @@ def test_non_contiguous_inputs(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_empty_inputs(device):
-    q, k, v, _ = _inputs(0, 2, 2, 5, 5, 64, torch.float32, device)
+def test_emptymake_inputs(device):
+    q, k, v, _ = make_inputs(0, 2, 2, 5, 5, 64, torch.float32, device)
     assert attention(q, k, v).shape == (0, 2, 5, 64)
-    q, k, v, _ = _inputs(1, 2, 2, 0, 5, 64, torch.float32, device)
+    q, k, v, _ = make_inputs(1, 2, 2, 0, 5, 64, torch.float32, device)
     assert attention(q, k, v).shape == (1, 2, 0, 64)
-    q, k, v, _ = _inputs(1, 2, 2, 4, 0, 64, torch.float32, device)
+    q, k, v, _ = make_inputs(1, 2, 2, 4, 0, 64, torch.float32, device)
     q.requires_grad_()
     out, lse = attention(q, k, v, return_lse=True)
     assert torch.all(out == 0) and torch.all(lse == -math.inf)

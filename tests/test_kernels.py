@@ -60,7 +60,8 @@ def test_raw_kernels_overwrite_poisoned_outputs(causal, device):
             "target": tag}
     scale = 0.125
     out, lse = _poisoned(q.shape, dt, device), _poisoned(q.shape[:3], dt, device)
-    kernel(KernelKey("fwd", **meta))(q, k, v, out, lse, scale)
+    no_sinks = _poisoned((hq,), dt, device)  # ignored by the kernel built without sinks
+    kernel(KernelKey("fwd", **meta))(q, k, v, no_sinks, out, lse, scale)
     delta = _poisoned(q.shape[:3], dt, device)
     kernel(KernelKey("bwd_pre", **{**meta, "causal": "none", "group": 1}))(out, do, delta)
     dq = _poisoned(q.shape, dt, device)
@@ -103,6 +104,10 @@ BAD_INPUTS = [
     ("bad alignment", {"is_causal": True, "causal_alignment": "diagonal"}, ValueError,
      "causal_alignment"),
     ("not a tensor", {"q": [[1.0]]}, TypeError, "q: expected a torch.Tensor"),
+    ("sinks wrong shape", {"sinks": torch.zeros(3)}, ValueError, "sinks: expected shape (2,)"),
+    ("sinks int dtype", {"sinks": torch.zeros(2, dtype=torch.int64)}, TypeError,
+     "sinks: dtype"),
+    ("sinks not a tensor", {"sinks": [0.0, 0.0]}, TypeError, "sinks: expected a torch.Tensor"),
 ]
 
 
@@ -112,5 +117,5 @@ def test_bad_input_is_named(case, changes, exc, text):
               "v": torch.randn(1, 2, 5, 64)}
     kwargs.update(changes)
     q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
-    with pytest.raises(exc, match=text.replace("(", r"\(")):
+    with pytest.raises(exc, match=re.escape(text)):
         attention(q, k, v, **kwargs)

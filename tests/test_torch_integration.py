@@ -18,12 +18,14 @@ def _qkv(device, dtype=torch.float32, lq=40, lk=40, hq=4, hkv=2, d=64):
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
     q, k, v = _qkv(device)
-    torch.library.opcheck(torch.ops.tvm_flash.fwd.default, (q, k, v, "top-left", 0.125))
-    out, lse = torch.ops.tvm_flash.fwd(q, k, v, "top-left", 0.125)
-    do = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.tvm_flash.bwd.default,
-                          (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
-                           "top-left", 0.125))
+    sinks = torch.randn(4, device=device, requires_grad=True)
+    for s in (None, sinks):
+        torch.library.opcheck(torch.ops.tvm_flash.fwd.default, (q, k, v, s, "top-left", 0.125))
+        out, lse = torch.ops.tvm_flash.fwd(q, k, v, s, "top-left", 0.125)
+        do = torch.randn_like(out)
+        torch.library.opcheck(torch.ops.tvm_flash.bwd.default,
+                              (do, q.detach(), k.detach(), v.detach(), out.detach(), lse,
+                               None if s is None else s.detach(), "top-left", 0.125))
 
 
 @pytest.mark.parametrize("device", DEVICES)

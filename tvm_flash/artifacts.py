@@ -113,6 +113,7 @@ def build_command(key: KernelKey, out: str | os.PathLike | None = None) -> str:
     target = key.target.replace("-", ":", 1)
     cmd = (f"python scripts/build.py --target {target} --head-dims {key.head_dim} "
            f"--dtypes {DTYPES[key.dtype]} --causal {key.causal} --gqa {key.group}")
+    cmd += " --sinks" if key.sinks else ""
     return cmd + (f" --out {out}" if out else "")
 
 

@@ -39,8 +39,9 @@ def dtype_name(dtype) -> str:
 class KernelKey:
     """Identity of one compiled kernel.
 
-    ``target`` is a target tag as made by :func:`tvm_flash.targets.parse_target`, e.g. ``llvm``,
-    ``cuda-sm_90`` or ``metal-apple-m2``.
+    ``target`` is a target tag as made by :func:`tvm_flash.build.parse_target`, e.g. ``llvm``,
+    ``cuda-sm_90`` or ``metal-apple-m2``. ``sinks``: the forward takes per-head sink logits
+    (the backward kernels do not depend on it).
     """
 
     op: str
@@ -49,6 +50,7 @@ class KernelKey:
     causal: str
     group: int
     target: str
+    sinks: bool = False
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -62,14 +64,16 @@ class KernelKey:
             raise ValueError(f"group: {self.group!r} must be a positive integer")
         if not re.fullmatch(r"[a-z0-9_.-]+", self.target):
             raise ValueError(f"target: {self.target!r} is not a target tag")
+        if self.sinks and self.op != "fwd":
+            raise ValueError(f"sinks: only the fwd kernel takes sinks, not {self.op!r}")
 
     @property
     def name(self) -> str:
-        """File-system safe name, e.g. ``fwd-d64-bf16-top-left-g4-cuda-sm_90``."""
-        return (
-            f"{self.op}-d{self.head_dim}-{DTYPES[self.dtype]}-{self.causal}-g{self.group}"
-            f"-{self.target}"
-        )
+        """File-system safe name, e.g. ``fwd-d64-bf16-top-left-g4-cuda-sm_90``
+        (``fwd-sinks-…`` for the forward with sinks)."""
+        op = "fwd-sinks" if self.sinks else self.op
+        dtype = DTYPES[self.dtype]
+        return f"{op}-d{self.head_dim}-{dtype}-{self.causal}-g{self.group}-{self.target}"
 
     def replace(self, **changes) -> KernelKey:
         return dataclasses.replace(self, **changes)

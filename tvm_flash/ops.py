@@ -36,29 +36,49 @@ def _meta(q, k, causal: str) -> dict:
             "group": q.shape[1] // k.shape[1]}
 
 
-def flash_forward(q, k, v, causal: str, scale: float):
-    """Run the forward kernel: returns ``(out, lse)``. Inputs must already be validated."""
+def flash_forward(q, k, v, sinks, causal: str, scale: float):
+    """Run the forward kernel: returns ``(out, lse)``. Inputs must already be validated;
+    ``sinks`` is None or a float32 ``(Hq,)`` tensor."""
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    if k.shape[2] == 0:  # no keys at all: every row is empty
-        return out.zero_(), lse.fill_(-math.inf)
-    _launch("fwd", _meta(q, k, causal), q, k, v, out, lse, scale)
+    if k.shape[2] == 0:  # no keys at all: every row is empty (but for its sink)
+        lse.fill_(-math.inf) if sinks is None else lse.copy_(sinks[None, :, None].expand_as(lse))
+        return out.zero_(), lse
+    meta = {**_meta(q, k, causal), "sinks": sinks is not None}
+    # without sinks the kernel ignores this (Hq,) buffer; it only fixes the calling convention
+    sink_arg = sinks if sinks is not None else lse.new_empty(q.shape[1])
+    _launch("fwd", meta, q, k, v, sink_arg, out, lse, scale)
     return out, lse
 
 
-def flash_backward(do, q, k, v, out, lse, causal: str, scale: float):
-    """Run preprocess, dQ and dK/dV: returns ``(dq, dk, dv)``."""
+def sink_gradient(sinks, lse, delta):
+    """d loss / d sink_h = -sum over batch and rows of P_sink * Delta, P_sink = exp(s_h - LSE).
+
+    The sink is a key with no value: its dP is 0, so its dS is P_sink * (0 - Delta).
+    Rows with LSE = -inf (no key, sink -inf) have P_sink = 0.
+    """
+    p_sink = torch.exp(sinks[None, :, None] - lse)
+    p_sink = torch.where(torch.isfinite(lse), p_sink, 0.0)
+    return -(p_sink * delta).sum(dim=(0, 2))
+
+
+def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
+    """Run preprocess, dQ and dK/dV: returns ``(dq, dk, dv, dsinks)``; dsinks is zeros of
+    shape (Hq,) without sinks."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsinks = lse.new_zeros(q.shape[1])
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
     meta = _meta(q, k, causal)
     delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     _launch("bwd_pre", {**meta, "causal": "none", "group": 1}, out, do, delta)
     _launch("dq", meta, q, k, v, do, lse, delta, dq, scale)
     _launch("dkv", meta, q, k, v, do, lse, delta, dk, dv, scale)
-    return dq, dk, dv
+    if sinks is not None:
+        dsinks = sink_gradient(sinks, lse, delta)
+    return dq, dk, dv, dsinks
 
 
 # ----------------------------------------------------------------------- torch custom ops
@@ -67,47 +87,48 @@ def flash_backward(do, q, k, v, out, lse, causal: str, scale: float):
 
 
 @torch.library.custom_op("tvm_flash::fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: str,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+            causal: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_forward(q.contiguous(), k.contiguous(), v.contiguous(), sinks, causal, scale)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, sinks, causal, scale):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tvm_flash::bwd", mutates_args=())
 def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            out: torch.Tensor, lse: torch.Tensor, causal: str,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, causal: str,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return flash_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-                          out.contiguous(), lse.contiguous(), causal, scale)
+                          out.contiguous(), lse.contiguous(), sinks, causal, scale)
 
 
 @_bwd_op.register_fake
-def _(do, q, k, v, out, lse, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(do, q, k, v, out, lse, sinks, causal, scale):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            lse.new_empty(q.shape[1]))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
+    q, k, v, sinks, causal, scale = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sinks)
     ctx.causal, ctx.scale = causal, scale
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    q, k, v, out, lse, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = _bwd_op(dout, q, k, v, out, lse, sinks, ctx.causal, ctx.scale)
+    return dq, dk, dv, (dsinks if sinks is not None else None), None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool) -> float:
+def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool, sinks=None) -> float:
     """Validate the public arguments; return the softmax scale to use.
 
     Every error names the argument and what is supported.
@@ -143,6 +164,18 @@ def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool) -> float:
     if hq != hkv and not enable_gqa:
         raise ValueError(f"k: {hkv} key/value heads differ from q's {hq} heads; pass "
                          "enable_gqa=True for grouped-query attention")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            raise TypeError(f"sinks: expected a torch.Tensor of shape ({hq},), got "
+                            f"{type(sinks).__name__}")
+        if sinks.shape != (hq,):
+            raise ValueError(f"sinks: expected shape ({hq},) (one logit per query head), got "
+                             f"{tuple(sinks.shape)}")
+        if sinks.dtype not in _TORCH_DTYPES:
+            raise TypeError(f"sinks: dtype {sinks.dtype} is not supported; use one of "
+                            f"{[str(d) for d in _TORCH_DTYPES]}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks: device {sinks.device} differs from q's {q.device}")
     if scale is None:
         return 1.0 / math.sqrt(d)
     scale = float(scale)
@@ -153,7 +186,7 @@ def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool) -> float:
 
 def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False, causal_alignment: str = "top-left",
-              return_lse: bool = False):
+              sinks: torch.Tensor | None = None, return_lse: bool = False):
     """Flash attention, forward and backward, with torch SDPA's semantics.
 
     Args:
@@ -166,7 +199,10 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
         causal_alignment: ``"top-left"`` (torch ``is_causal``: key j visible to query i iff
             ``j <= i``) or ``"bottom-right"`` (flash-attn >= 2.1: iff ``j <= i + Lk - Lq``).
             The two differ only when ``Lq != Lk``.
-        return_lse: also return the row logsumexp.
+        sinks: optional learnable sink logits ``(Hq,)``: each row's softmax denominator gains
+            ``exp(sinks[h])`` (a virtual key with no value). Differentiable: the gradient is
+            ``-sum_rows P_sink * Delta``. Any float dtype; computed in float32.
+        return_lse: also return the row logsumexp (including the sink, if any).
 
     Returns:
         ``out`` ``(B, Hq, Lq, D)`` in the input dtype; with ``return_lse`` also ``lse``
@@ -181,7 +217,10 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
         raise ValueError(f"causal_alignment: {causal_alignment!r} is not one of "
                          f"{CAUSAL_ALIGNMENTS}")
     causal = causal_alignment if is_causal else "none"
-    scale = check_inputs(q, k, v, causal=causal, scale=scale, enable_gqa=enable_gqa)
-    out, lse = _fwd_op(q, k, v, causal, scale)
+    scale = check_inputs(q, k, v, causal=causal, scale=scale, enable_gqa=enable_gqa,
+                         sinks=sinks)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()  # differentiable cast: dsinks flows back
+    out, lse = _fwd_op(q, k, v, sinks, causal, scale)
     return (out, lse) if return_lse else out
 

@@ -26,13 +26,16 @@ def causal_mask(lq: int, lk: int, causal: str, device=None) -> torch.Tensor | No
 
 
 def attention_reference(q, k, v, *, causal: str = "none", scale: float | None = None,
-                        dtype=torch.float64):
+                        sinks=None, dtype=torch.float64):
     """Attention in ``dtype`` (float64 by default) with the kernels' conventions.
 
     q ``(B, Hq, Lq, D)``, k and v ``(B, Hkv, Lk, D)`` with ``Hq`` a multiple of ``Hkv``.
     Returns ``(out, lse)``: out ``(B, Hq, Lq, D)`` in ``dtype``; lse ``(B, Hq, Lq)`` in natural-log
     units. A row that sees no key gives out = 0 and lse = -inf (and zero gradients).
-    Differentiable: call ``.backward`` on a function of ``out`` to get reference gradients.
+    ``sinks`` ``(Hq,)``: per-head logits of a virtual key with no value, included in each row's
+    softmax denominator (and in lse).
+    Differentiable: call ``.backward`` on a function of ``out`` to get reference gradients
+    (of q, k, v and sinks).
     """
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
@@ -45,7 +48,11 @@ def attention_reference(q, k, v, *, causal: str = "none", scale: float | None = 
     mask = causal_mask(q.shape[2], k.shape[2], causal, q.device)
     if mask is not None:
         s = s.masked_fill(~mask, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
+    if sinks is not None:
+        sink_col = sinks.to(dtype)[None, :, None, None].expand(*s.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([s, sink_col], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(s, dim=-1)
     # exp(s - lse) with lse = -inf (no visible key) would be NaN; such rows get p = 0.
     finite = torch.isfinite(lse)
     p = torch.exp(s - torch.where(finite, lse, 0.0)[..., None])

@@ -10,7 +10,8 @@ from .common import TileConfig
 from .forward import flash_forward
 
 FACTORIES = {
-    "fwd": lambda key, tile: flash_forward(key.head_dim, key.dtype, key.causal, key.group, tile),
+    "fwd": lambda key, tile: flash_forward(key.head_dim, key.dtype, key.causal, key.group, tile,
+                                           key.sinks),
     "bwd_pre": lambda key, tile: flash_bwd_preprocess(key.head_dim, key.dtype, tile),
     "dq": lambda key, tile: flash_dq(key.head_dim, key.dtype, key.causal, key.group, tile),
     "dkv": lambda key, tile: flash_dkv(key.head_dim, key.dtype, key.causal, key.group, tile),

@@ -19,19 +19,26 @@ from tvm.script import tirx as T
 from .common import LN2, LOG2E, TileConfig, exp2_clamped, neg_inf, num_key_tiles, visible
 
 
-def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
-    """Return the forward PrimFunc ``flash_fwd(q, k, v, o, lse, scale)``.
+def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
+                  sinks: bool = False):
+    """Return the forward PrimFunc ``flash_fwd(q, k, v, sinks, o, lse, scale)``.
 
     Shapes: q, o ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; lse ``(B, Hq, Lq)`` float32,
-    with ``Hq = group * Hkv``; B, Hq, Hkv, Lq, Lk symbolic.
+    with ``Hq = group * Hkv``; B, Hq, Hkv, Lq, Lk symbolic. ``sinks`` ``(Hq,)`` float32 holds
+    per-head sink logits (each row's softmax denominator gains ``exp(sink)``, a key with no
+    value); without sinks the buffer is still passed and ignored (any float32 tensor of
+    shape (Hq,), so one calling convention serves both).
+
+    With sinks the online softmax simply starts from the sink: ``m = sink * log2(e)``,
+    ``l = 1``. The LSE then includes the sink, so the backward kernels need no change.
     """
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
 
     @T.prim_func(s_tir=True)
     def flash_fwd(
-        q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, lse_h: T.handle,
-        scale: T.float32,
+        q_h: T.handle, k_h: T.handle, v_h: T.handle, sinks_h: T.handle, o_h: T.handle,
+        lse_h: T.handle, scale: T.float32,
     ):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
@@ -40,6 +47,7 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
         V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
         O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype)
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
+        Sinks = T.match_buffer(sinks_h, (Hq,), f32)
 
         for b, h, qt in T.grid(B, Hq, T.ceildiv(Lq, BQ)):
             with T.sblock("tile"):
@@ -75,8 +83,12 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
                 for i in T.serial(BQ):
                     with T.sblock("stats_init"):
                         vi = T.axis.remap("S", [i])
-                        m[vi] = neg_inf()
-                        lsum[vi] = T.float32(0)
+                        if sinks:
+                            m[vi] = Sinks[vh] * T.float32(LOG2E)
+                            lsum[vi] = T.float32(1)
+                        else:
+                            m[vi] = neg_inf()
+                            lsum[vi] = T.float32(0)
 
                 for kt in T.serial(num_key_tiles(causal, T.min(q0 + BQ, Lq) - 1, Lq, Lk, BK)):
                     k0: T.let[T.int64] = kt * BK
@@ -145,17 +157,19 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
                     with T.sblock("O_store"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         if q0 + vi < Lq:
+                            # l == 0 only for a row that saw no key (nor sink); a NaN l
+                            # (non-finite input) must reach the output, so test equality.
                             O[vb, vh, q0 + vi, vd] = T.cast(T.if_then_else(
-                                lsum[vi] > T.float32(0), acc[vi, vd] / lsum[vi], T.float32(0)
+                                lsum[vi] == T.float32(0), T.float32(0), acc[vi, vd] / lsum[vi]
                             ), dtype)
                 for i in T.serial(BQ):
                     with T.sblock("lse_store"):
                         vi = T.axis.remap("S", [i])
                         if q0 + vi < Lq:
                             LSE[vb, vh, q0 + vi] = T.if_then_else(
-                                lsum[vi] > T.float32(0),
-                                (m[vi] + T.log2(lsum[vi])) * T.float32(LN2),
+                                lsum[vi] == T.float32(0),
                                 neg_inf(),
+                                (m[vi] + T.log2(lsum[vi])) * T.float32(LN2),
                             )
 
     return flash_fwd
