@@ -153,11 +153,13 @@ def test_prebuilt_cuda_artifacts_load_without_compiling(artifact_mode, monkeypat
                         requires_grad=True)
         k = torch.randn(2, 2, 77, key.head_dim, dtype=dtype, device="cuda")
         v = torch.randn_like(k)
+        sinks = torch.randn(2 * key.group, device="cuda") if key.sinks else None
         out = tvm_flash.attention(q, k, v, is_causal=key.causal != "none", enable_gqa=True,
                                   causal_alignment="top-left" if key.causal == "none"
-                                  else key.causal)
+                                  else key.causal, sinks=sinks)
         out.float().sum().backward()
-        ref, _ = tvm_flash.attention_reference(q.detach(), k, v, causal=key.causal)
+        ref, _ = tvm_flash.attention_reference(q.detach(), k, v, causal=key.causal,
+                                               sinks=sinks)
         assert (out.double() - ref).abs().max() < 0.05
     torch.cuda.synchronize()
     assert compiled == []
