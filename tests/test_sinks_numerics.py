@@ -60,10 +60,17 @@ def test_sinks_fully_masked_rows(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", ["none", "top-left"])
 def test_large_logits_fp32(causal, device):
-    """|q.k| * scale around 1e4: the online softmax stays finite and accurate."""
+    """|q.k| * scale around 1e4: the online softmax stays finite and accurate.
+
+    The backward recomputes P from the stored float32 LSE, which at |LSE| ~ 1e4 is itself only
+    known to ~1e-3 (its ulp): P, and so every gradient, carries that relative error. The floor
+    is that ulp times the size of dO (torch's own backward reuses its softmax output instead).
+    """
     q, k, v, do = make_inputs(1, 2, 2, 65, 65, 64, torch.float32, device)
     q, k = q * 12, k * 12  # q.k ~ 144 * 8 = 1.2e3 typical, ~1e4 at the tails, scale 1
-    check_against_reference(q, k, v, do, causal, scale=1.0)
+    logits = (q.double() @ k.double().transpose(-1, -2)).abs().max().item()
+    floor = 4 * torch.finfo(torch.float32).eps * logits * do.abs().max().item()
+    check_against_reference(q, k, v, do, causal, scale=1.0, floor=floor)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -39,7 +39,7 @@ def _meta(q, k, causal: str) -> dict:
 def flash_forward(q, k, v, sinks, causal: str, scale: float):
     """Run the forward kernel: returns ``(out, lse)``. Inputs must already be validated;
     ``sinks`` is None or a float32 ``(Hq,)`` tensor."""
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -67,7 +67,7 @@ def sink_gradient(sinks, lse, delta):
 def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
     """Run preprocess, dQ and dK/dV: returns ``(dq, dk, dv, dsinks)``; dsinks is zeros of
     shape (Hq,) without sinks."""
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     dsinks = lse.new_zeros(q.shape[1])
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
@@ -92,9 +92,10 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tens
     return flash_forward(q.contiguous(), k.contiguous(), v.contiguous(), sinks, causal, scale)
 
 
+# Fakes return contiguous tensors, as the real ops do whatever the input strides are.
 @_fwd_op.register_fake
 def _(q, k, v, sinks, causal, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tvm_flash::bwd", mutates_args=())
@@ -107,7 +108,7 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_bwd_op.register_fake
 def _(do, q, k, v, out, lse, sinks, causal, scale):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             lse.new_empty(q.shape[1]))
 
 

@@ -1,7 +1,7 @@
 """Backward kernels: preprocess, dQ and dK/dV.
 
-The backward never stores P: each kernel recomputes ``P = exp2(s2 - lse2)`` from Q, K and the
-forward's LSE (``lse2 = LSE * log2(e)``). With ``Delta = rowsum(dO * O)``:
+The backward never stores P: each kernel recomputes ``P = exp2((s * scale - LSE) * log2(e))``
+from Q, K and the forward's LSE. With ``Delta = rowsum(dO * O)``:
 
     dV = P^T dO        dP = dO V^T        dS = P * (dP - Delta)
     dQ = scale * dS K  dK = scale * dS^T Q
@@ -33,11 +33,17 @@ from .common import (
 )
 
 
-def _prob(causal, s, scale2, lse, row, col, lq, lk):
-    """Recomputed probability; 0 where masked or where the row saw no key (LSE = -inf)."""
+def _prob(causal, s, scale, lse, row, col, lq, lk):
+    """Recomputed probability; 0 where masked or where the row saw no key (LSE = -inf).
+
+    ``s * scale - lse`` is formed in natural-log units first (one fused multiply-add on GPUs,
+    rounded once at the size of the small result) and only then turned into base 2; scaling
+    each of ``s`` and ``lse`` to base 2 first would round both at the size of the logits,
+    which costs accuracy once logits reach ~1e4.
+    """
     return T.if_then_else(
         tirx.all(visible(causal, row, col, lq, lk), lse != neg_inf()),
-        exp2_clamped(s * scale2 - lse * T.float32(LOG2E)),
+        exp2_clamped((s * scale - lse) * T.float32(LOG2E)),
         T.float32(0),
     )
 
@@ -113,7 +119,6 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
                 acc = T.sblock_alloc_buffer((BQ, D), f32)
                 hk: T.let[T.int64] = vh // group
                 q0: T.let[T.int64] = vt * BQ
-                scale2: T.let[T.float32] = scale * T.float32(LOG2E)
 
                 for i, d in T.grid(BQ, D):
                     with T.sblock("Q_load"):
@@ -174,7 +179,7 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
                     for i, j in T.grid(BQ, BK):
                         with T.sblock("dS"):
                             vi, vj = T.axis.remap("SS", [i, j])
-                            dS[vi, vj] = _prob(causal, S[vi, vj], scale2, lse_s[vi], q0 + vi, k0 + vj, Lq, Lk) * (
+                            dS[vi, vj] = _prob(causal, S[vi, vj], scale, lse_s[vi], q0 + vi, k0 + vj, Lq, Lk) * (
                                 dP[vi, vj] - delta_s[vi]
                             )
                     for i, d, j in T.grid(BQ, D, BK):
@@ -241,7 +246,6 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                 dk_acc = T.sblock_alloc_buffer((BK, D), f32)
                 dv_acc = T.sblock_alloc_buffer((BK, D), f32)
                 k0: T.let[T.int64] = vt * BK
-                scale2: T.let[T.float32] = scale * T.float32(LOG2E)
 
                 for j, d in T.grid(BK, D):
                     with T.sblock("K_load"):
@@ -299,7 +303,7 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                     for j, i in T.grid(BK, BQ):
                         with T.sblock("P"):
                             vj, vi = T.axis.remap("SS", [j, i])
-                            Pt[vj, vi] = _prob(causal, St[vj, vi], scale2, lse_s[vi], q0 + vi, k0 + vj, Lq, Lk)
+                            Pt[vj, vi] = _prob(causal, St[vj, vi], scale, lse_s[vi], q0 + vi, k0 + vj, Lq, Lk)
                     for j, d, i in T.grid(BK, D, BQ):
                         with T.sblock("dV_gemm"):
                             vj, vd, vi = T.axis.remap("SSR", [j, d, i])
