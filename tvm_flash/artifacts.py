@@ -44,7 +44,7 @@ from .build import (
     compile_device_code,
     compile_module,
     cuda_compiler,
-    cuda_source,
+    device_source,
     fingerprint,
     target_kind,
 )
@@ -129,15 +129,23 @@ def build_artifact(key: KernelKey, out_dir: pathlib.Path, with_fingerprint: bool
     fp = fingerprint(key)
     built = compile_module(key)
     stem = f"{key.name}-{fp}" if with_fingerprint else key.name
+    kind = target_kind(key.target)
+    # Metal host code is for arm64 macOS: shipped as objects in a tar that the Mac links
+    ext = "tar" if kind == "metal" else "so"
     entry = {"key": dataclasses.asdict(key), "target": key.target, "fingerprint": fp,
-             "file": f"{stem}.so", "runtime": _runtime_versions()}
+             "file": f"{stem}.{ext}", "runtime": _runtime_versions()}
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp = pathlib.Path(tmp)
         files = {entry["file"]: None}
         built.export_library(str(tmp / entry["file"]))
-        if target_kind(key.target) == "cuda":
-            src = cuda_source(built)
+        if kind == "metal":
+            src = device_source(built)
+            entry.update(metal_source=f"{stem}.metal", **metal_resources(src))
+            (tmp / entry["metal_source"]).write_text(src)
+            files[entry["metal_source"]] = None
+        if kind == "cuda":
+            src = device_source(built)
             binary = compile_device_code(key, src)
             ext = "fatbin" if cuda_compiler() == "nvcc" else "cubin"
             entry.update(arch=key.target[len("cuda-"):], device_code=f"{stem}.{ext}",
@@ -235,8 +243,28 @@ def _open(directory: pathlib.Path, entry: dict, key: KernelKey):
     if "device_code" in entry:
         _install_callback()
         _prebuilt[entry["source_sha256"]] = (directory / entry["device_code"]).read_bytes()
-    module = tvm_ffi.load_module(str(directory / entry["file"]))
+    path = directory / entry["file"]
+    if path.suffix == ".tar":  # objects to link on this machine (Metal on a Mac)
+        module = tvm.runtime.load_module(str(path))
+    else:
+        module = tvm_ffi.load_module(str(path))
     return module[SYMBOLS[key.op]]
+
+
+_MSL_BYTES = {"half": 2, "bfloat": 2, "ushort": 2, "short": 2, "float": 4, "int": 4,
+              "uint": 4, "char": 1, "uchar": 1}
+
+
+def metal_resources(source: str) -> dict:
+    """Threadgroup memory the Metal source declares, and whether it synchronises it."""
+    import re
+
+    total = 0
+    for dtype, count in re.findall(r"threadgroup\s+(\w+)\s+\w+\[(\d+)\]", source):
+        if dtype not in _MSL_BYTES:
+            raise ValueError(f"metal source: unknown threadgroup element type {dtype!r}")
+        total += _MSL_BYTES[dtype] * int(count)
+    return {"threadgroup_bytes": total, "barriers": source.count("threadgroup_barrier")}
 
 
 def _from_cache(key: KernelKey):

@@ -29,12 +29,18 @@ def target_kind(tag: str) -> str:
     return tag.split("-", 1)[0]
 
 
+METAL_HOST = {"kind": "llvm", "mtriple": "arm64-apple-macos"}
+"""Host code for Metal artifacts: Apple silicon Macs."""
+
+
 def parse_target(spec: str) -> str:
-    """Target tag from a user spec: ``llvm``, ``cuda:sm_90`` / ``cuda-sm_90``, or ``cuda``
-    (the local GPU's arch)."""
+    """Target tag from a user spec: ``llvm``, ``cuda:sm_90`` / ``cuda-sm_90``, ``cuda`` (the
+    local GPU's arch), ``metal`` or ``metal:apple-m2`` (a chip name for tuning logs)."""
     spec = spec.strip().lower().replace(":", "-")
     if spec in ("llvm", "cpu"):
         return "llvm"
+    if spec == "metal" or (spec.startswith("metal-") and spec[6:].replace("-", "").isalnum()):
+        return spec
     if spec == "cuda":
         import torch
 
@@ -45,7 +51,8 @@ def parse_target(spec: str) -> str:
         return f"cuda-sm_{major}{minor}"
     if spec.startswith("cuda-sm_") and spec[len("cuda-sm_"):].isdigit():
         return spec
-    raise ValueError(f"target: {spec!r} is not one of llvm, cuda, cuda:sm_XY")
+    raise ValueError(f"target: {spec!r} is not one of llvm, cuda, cuda:sm_XY, metal, "
+                     "metal:CHIP")
 
 
 def make_target(tag: str) -> tvm.target.Target:
@@ -54,7 +61,9 @@ def make_target(tag: str) -> tvm.target.Target:
         return tvm.target.Target({"kind": "llvm"})
     if tag.startswith("cuda-sm_"):
         return tvm.target.Target({"kind": "cuda", "arch": tag[len("cuda-"):]})
-    raise ValueError(f"target: unknown target tag {tag!r}; use 'llvm' or 'cuda-sm_XY'")
+    if target_kind(tag) == "metal":
+        return tvm.target.Target({"kind": "metal"}, host=METAL_HOST)
+    raise ValueError(f"target: unknown target tag {tag!r}; use llvm, cuda-sm_XY or metal")
 
 
 def target_tag_for_device(device) -> str:
@@ -66,7 +75,9 @@ def target_tag_for_device(device) -> str:
 
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda-sm_{major}{minor}"
-    raise ValueError(f"device: tvm-flash runs on 'cpu' and 'cuda' tensors, not {device.type!r}")
+    if device.type == "mps":
+        return "metal"
+    raise ValueError(f"device: tvm-flash runs on cpu, cuda and mps tensors, not {device.type!r}")
 
 
 def scheduled_module(key: KernelKey) -> tvm.IRModule:
@@ -113,7 +124,8 @@ def compile_module(key: KernelKey, mod: tvm.IRModule | None = None):
     return tvm.tirx.build(mod, target=make_target(key.target))
 
 
-def cuda_source(module) -> str:
+def device_source(module) -> str:
+    """The device code (CUDA C or Metal shading language) a GPU build carries."""
     return module.imports[0].inspect_source()
 
 

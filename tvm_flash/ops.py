@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import tvm
 import tvm_ffi
 
 from .artifacts import kernel
@@ -27,6 +28,12 @@ def _launch(op: str, meta: dict, *args) -> None:
         stream = torch.cuda.current_stream(device).cuda_stream
         with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", device.index), stream):
             fn(*args)
+    elif device.type == "mps":
+        # TVM's Metal runtime has its own command queue: order it after torch's and back.
+        # (Not run yet: no Mac here; see README "Metal".)
+        torch.mps.synchronize()
+        fn(*args)
+        tvm.runtime.device("metal", 0).sync()
     else:
         fn(*args)
 
@@ -148,8 +155,9 @@ def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool, sinks=None) -
             raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name}: device {t.device} differs from q's {q.device}")
-    if q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"q: device {q.device} is not supported; use a cpu or cuda tensor")
+    if q.device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"q: device {q.device} is not supported; use a cpu, cuda or mps "
+                         "tensor")
     b, hq, _, d = q.shape
     if k.shape != v.shape:
         raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)} "

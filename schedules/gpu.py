@@ -1,0 +1,232 @@
+"""The SIMT GPU schedule shared by CUDA and Metal; ``GpuParams`` holds what differs.
+
+One thread block (threadgroup) per ``tile`` block of the kernel (a query tile for forward and
+dQ, a key tile for dK/dV), ``threads`` threads. The tiles of Q, K, V, dO, S and dP live in
+on-chip shared (threadgroup) memory with padded rows; every GEMM gives each thread a register
+micro-tile of its output; row statistics (max, sum, LSE, Delta) sit in shared memory, one
+thread per row. The tile is the largest candidate whose on-chip footprint fits the target's
+budget; a kernel that fits none is refused with the bytes it would need.
+
+Tensor cores / simdgroup matrices, asynchronous copies and swizzled layouts are the next step
+and slot in here, block by block, without touching the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tvm import s_tir
+
+from tvm_flash.kernels.common import TileConfig
+from tvm_flash.key import KernelKey
+
+from .common import has_block, pad_rows, set_scopes
+
+THREADS = 128
+ACC_BUDGET = 64  # fp32 accumulator elements per thread
+PAD = 4  # elements of padding per shared row
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuParams:
+    """What a GPU target changes in the schedule."""
+
+    name: str  # for messages: "CUDA", "Metal"
+    smem_budget: int  # bytes of on-chip memory one block may use
+    smem_scope: str  # "shared.dyn" (CUDA: dynamic, > 48 KiB possible) or "shared"
+    max_head_dim: int = 256  # larger head dims are refused (see ``why_max_head_dim``)
+    why_max_head_dim: str = ""
+    bf16_bytes: int = 2  # on-chip bytes of a bf16 element (4 where TVM legalizes bf16 to f32)
+
+_ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+_CANDIDATES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16), (16, 8), (8, 16))
+
+# buffer -> the block that first writes it, per kernel
+_PRODUCERS = {
+    "fwd": {"Qs": "Q_load", "Ks": "K_load", "Vs": "V_load", "S": "S_gemm", "P": "P",
+            "acc": "acc_init", "m": "stats_init", "lsum": "stats_init", "m_new": "row_max",
+            "l_new": "row_sum", "alpha": "rescale"},
+    "dq": {"Qs": "Q_load", "dOs": "dO_load", "Ks": "K_load", "Vs": "V_load", "S": "S_gemm",
+           "dP": "dP_gemm", "dS": "dS", "lse_s": "row_load", "delta_s": "row_load",
+           "acc": "acc_init"},
+    "dkv": {"Ks": "K_load", "Vs": "V_load", "Qs": "Q_load", "dOs": "dO_load", "St": "St_gemm",
+            "Pt": "P", "dPt": "dPt_gemm", "dSt": "dS", "lse_s": "row_load",
+            "delta_s": "row_load", "dk_acc": "acc_init", "dv_acc": "acc_init"},
+}
+# blocks of each kernel by how they are mapped to threads
+_ELEMENTWISE = ("Q_load", "K_load", "V_load", "dO_load", "row_load", "stats_init", "P",
+                "rescale", "stats_update", "dS", "lse_store")
+_ROW_REDUCTIONS = ("row_max", "row_sum")
+_SHARED_GEMMS = ("S_gemm", "dP_gemm", "St_gemm", "dPt_gemm")
+_REGISTER_TILES = ("acc_init", "O_gemm", "O_store", "dQ_gemm", "dQ_store", "dV_gemm",
+                   "dK_gemm", "dK_store", "dV_store")
+_REGISTERS = ("acc", "dk_acc", "dv_acc")
+_PADDED = ("Qs", "Ks", "Vs", "dOs", "S", "P", "dP", "dS", "St", "Pt", "dPt", "dSt")
+
+
+def _footprint(op: str, d: int, esize: int, bq: int, bk: int) -> tuple[int, int]:
+    """(shared-memory bytes, fp32 accumulator elements per thread) of a tile choice."""
+    rows = {"fwd": bq + 2 * bk, "dq": 2 * bq + 2 * bk, "dkv": 2 * bq + 2 * bk}[op]
+    smem = rows * (d + PAD) * esize
+    smem += {"fwd": 2 * bq * (bk + PAD) * 4, "dq": 3 * bq * (bk + PAD) * 4,
+             "dkv": 4 * bk * (bq + PAD) * 4}[op]
+    smem += 5 * bq * 4
+    acc = {"fwd": bq * d, "dq": bq * d, "dkv": 2 * bk * d}[op] // THREADS
+    return smem, acc
+
+
+def tile_config(key: KernelKey, params: GpuParams) -> TileConfig:
+    """The largest tile that fits the on-chip memory and register budgets."""
+    if key.head_dim > params.max_head_dim:
+        raise ValueError(f"head_dim {key.head_dim} is not supported on {params.name} (at most "
+                         f"{params.max_head_dim}): {params.why_max_head_dim}")
+    if key.op == "bwd_pre":
+        return TileConfig(THREADS, THREADS)
+    esize = _element_bytes(key.dtype, params)
+    for bq, bk in _CANDIDATES:
+        smem, acc = _footprint(key.op, key.head_dim, esize, bq, bk)
+        if smem <= params.smem_budget and acc <= ACC_BUDGET and _splits(key, bq, bk):
+            return TileConfig(bq, bk)
+    need = _footprint(key.op, key.head_dim, esize, *_CANDIDATES[-1])[0]
+    raise ValueError(
+        f"{key.op} with head_dim {key.head_dim} and {key.dtype} needs {need} bytes of "
+        f"{params.name} on-chip memory even with the smallest {_CANDIDATES[-1][0]}x"
+        f"{_CANDIDATES[-1][1]} tile; {params.name} allows {params.smem_budget} bytes per block")
+
+
+def _element_bytes(dtype: str, params: GpuParams) -> int:
+    return params.bf16_bytes if dtype == "bfloat16" else _ESIZE[dtype]
+
+
+def _splits(key: KernelKey, bq: int, bk: int) -> bool:
+    """Whether every 2-D block of the kernel divides over the threads for this tile."""
+    rows_cols = {"fwd": [(bq, bk), (bq, key.head_dim)], "dq": [(bq, bk), (bq, key.head_dim)],
+                 "dkv": [(bk, bq), (bk, key.head_dim)]}[key.op]
+    try:
+        for rows, cols in rows_cols:
+            _thread_grid(rows, cols)
+    except ValueError:
+        return False
+    return True
+
+
+def footprint(key: KernelKey, tile: TileConfig, params: GpuParams) -> int:
+    """Planned on-chip bytes of one block of ``key`` with ``tile`` (0 for the preprocess); the
+    compiler may share storage between buffers and use less."""
+    if key.op == "bwd_pre":
+        return 0
+    esize = _element_bytes(key.dtype, params)
+    return _footprint(key.op, key.head_dim, esize, tile.block_q, tile.block_k)[0]
+
+
+def _own_loops(sch: s_tir.Schedule, block):
+    """The loops that belong to ``block`` itself (one per block iteration variable)."""
+    return sch.get_loops(block)[-len(sch.get(block).iter_vars):]
+
+
+def _thread_grid(rows: int, cols: int) -> tuple[int, int]:
+    tc = min(cols, 16)
+    tr = THREADS // tc
+    if rows % tr or cols % tc:
+        raise ValueError(f"tile {rows}x{cols} does not split over {THREADS} threads")
+    return tr, tc
+
+
+def _spread(sch: s_tir.Schedule, name: str) -> None:
+    """Elementwise block: flatten its loops and deal iterations to threads round-robin."""
+    block = sch.get_sblock(name)
+    fused = sch.fuse(*_own_loops(sch, block))
+    _, tx = sch.split(fused, [None, THREADS])
+    sch.bind(tx, "threadIdx.x")
+
+
+def _rows(sch: s_tir.Schedule, name: str) -> None:
+    """Row reduction: one thread per row, the reduction serial in a register, then stored."""
+    block = sch.get_sblock(name)
+    write_back = sch.cache_write(block, 0, "local")
+    for blk in (block, write_back):
+        _, tx = sch.split(_own_loops(sch, blk)[0], [None, THREADS])
+        sch.bind(tx, "threadIdx.x")
+
+
+def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False) -> None:
+    """Give each thread a (rows/tr) x (cols/tc) piece of a block's 2-D output.
+
+    For a GEMM block (third loop a reduction) the reduction runs inside the thread, over its
+    micro-tile; with ``to_registers`` the partial sums stay in registers and are written to the
+    block's (shared) output once.
+    """
+    block = sch.get_sblock(name) if isinstance(name, str) else name
+    write_back = sch.cache_write(block, 0, "local") if to_registers else None
+    loops = _own_loops(sch, block)
+    r, c = loops[:2]
+    rows, cols = (int(sch.get(lp).extent) for lp in (r, c))
+    tr, tc = _thread_grid(rows, cols)
+    r_o, r_i = sch.split(r, [tr, None])
+    c_o, c_i = sch.split(c, [tc, None])
+    if len(loops) == 3:
+        sch.reorder(r_o, c_o, loops[2], r_i, c_i)
+    else:
+        sch.reorder(r_o, c_o, r_i, c_i)
+    t = sch.fuse(r_o, c_o)
+    sch.bind(t, "threadIdx.x")
+    if len(loops) == 3:
+        sch.unroll(r_i)
+        sch.unroll(c_i)
+        if to_registers:
+            # S starts from zero here; the accumulating GEMMs keep their init (a rescale or an
+            # identity) inside the reduction loop, as their accumulator has another writer.
+            sch.decompose_reduction(block, loops[2])
+    if write_back is not None:
+        # the register partial sums go to shared memory with the same thread mapping
+        _micro_tile(sch, write_back)
+
+
+def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig,
+             params: GpuParams) -> s_tir.Schedule:
+    if key.op == "bwd_pre":
+        block = sch.get_sblock("delta")
+        b, h, i, _ = sch.get_loops(block)
+        bx, tx = sch.split(sch.fuse(b, h, i), [None, THREADS])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        wb = sch.cache_write(block, 0, "local")
+        sch.reverse_compute_at(wb, tx)
+        return sch
+
+    producers = _PRODUCERS[key.op]
+    pad_rows(sch, producers, [b for b in _PADDED if b in producers], PAD)
+    set_scopes(sch, {b: ("local" if b in _REGISTERS else params.smem_scope) for b in producers},
+               producers)
+
+    sch.bind(sch.fuse(*sch.get_loops(sch.get_sblock("tile"))), "blockIdx.x")
+    for name in _ELEMENTWISE:
+        if has_block(sch, name):
+            _spread(sch, name)
+    for name in _ROW_REDUCTIONS:
+        if has_block(sch, name):
+            _rows(sch, name)
+    for name in _SHARED_GEMMS:
+        if has_block(sch, name):
+            _micro_tile(sch, name, to_registers=True)
+    for name in _REGISTER_TILES:
+        if has_block(sch, name):
+            _micro_tile(sch, name)
+    return sch
+
+
+class GpuSchedule:
+    """``tile_config`` / ``schedule`` / ``footprint`` of one GPU target, as
+    :func:`schedules.for_target` hands them out."""
+
+    def __init__(self, params: GpuParams):
+        self.params = params
+
+    def tile_config(self, key: KernelKey) -> TileConfig:
+        return tile_config(key, self.params)
+
+    def schedule(self, sch: s_tir.Schedule, key: KernelKey, tile: TileConfig) -> s_tir.Schedule:
+        return schedule(sch, key, tile, self.params)
+
+    def footprint(self, key: KernelKey, tile: TileConfig) -> int:
+        return footprint(key, tile, self.params)
