@@ -27,10 +27,28 @@ from .common import (
     TileConfig,
     exp2_clamped,
     first_query_tile,
+    fresh,
+    gemm_acc,
+    gemm_nt,
+    load_row_stats,
+    load_tile,
     neg_inf,
     num_key_tiles,
+    store_tile,
     visible,
 )
+
+
+class _Macros:
+    """One fresh macro per use inside a kernel (see ``common.fresh``)."""
+
+    def __init__(self):
+        self.load_q, self.load_do, self.load_k, self.load_v = (fresh(load_tile)
+                                                               for _ in range(4))
+        self.load_rows = fresh(load_row_stats)
+        self.gemm_1, self.gemm_2 = fresh(gemm_nt), fresh(gemm_nt)
+        self.acc_1, self.acc_2 = fresh(gemm_acc), fresh(gemm_acc)
+        self.store_1, self.store_2 = fresh(store_tile), fresh(store_tile)
 
 
 def _prob(causal, s, scale, lse, row, col, lq, lk):
@@ -86,6 +104,7 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
     """
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
+    m = _Macros()
 
     @T.prim_func(s_tir=True)
     def flash_dq(
@@ -120,29 +139,9 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
                 hk: T.let[T.int64] = vh // group
                 q0: T.let[T.int64] = vt * BQ
 
-                for i, d in T.grid(BQ, D):
-                    with T.sblock("Q_load"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        if q0 + vi < Lq:
-                            Qs[vi, vd] = Q[vb, vh, q0 + vi, vd]
-                        else:
-                            Qs[vi, vd] = T.cast(0, dtype)
-                for i, d in T.grid(BQ, D):
-                    with T.sblock("dO_load"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        if q0 + vi < Lq:
-                            dOs[vi, vd] = dO[vb, vh, q0 + vi, vd]
-                        else:
-                            dOs[vi, vd] = T.cast(0, dtype)
-                for i in T.serial(BQ):
-                    with T.sblock("row_load"):
-                        vi = T.axis.remap("S", [i])
-                        if q0 + vi < Lq:
-                            lse_s[vi] = LSE[vb, vh, q0 + vi]
-                            delta_s[vi] = Delta[vb, vh, q0 + vi]
-                        else:
-                            lse_s[vi] = neg_inf()
-                            delta_s[vi] = T.float32(0)
+                m.load_q("Q_load", Qs, Q, vb, vh, q0, Lq, BQ, D, dtype)
+                m.load_do("dO_load", dOs, dO, vb, vh, q0, Lq, BQ, D, dtype)
+                m.load_rows("row_load", lse_s, delta_s, LSE, Delta, vb, vh, q0, Lq, BQ)
                 for i, d in T.grid(BQ, D):
                     with T.sblock("acc_init"):
                         vi, vd = T.axis.remap("SS", [i, d])
@@ -150,50 +149,19 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
 
                 for kt in T.serial(num_key_tiles(causal, T.min(q0 + BQ, Lq) - 1, Lq, Lk, BK)):
                     k0: T.let[T.int64] = kt * BK
-                    for j, d in T.grid(BK, D):
-                        with T.sblock("K_load"):
-                            vj, vd = T.axis.remap("SS", [j, d])
-                            if k0 + vj < Lk:
-                                Ks[vj, vd] = K[vb, hk, k0 + vj, vd]
-                            else:
-                                Ks[vj, vd] = T.cast(0, dtype)
-                    for j, d in T.grid(BK, D):
-                        with T.sblock("V_load"):
-                            vj, vd = T.axis.remap("SS", [j, d])
-                            if k0 + vj < Lk:
-                                Vs[vj, vd] = V[vb, hk, k0 + vj, vd]
-                            else:
-                                Vs[vj, vd] = T.cast(0, dtype)
-                    for i, j, d in T.grid(BQ, BK, D):
-                        with T.sblock("S_gemm"):
-                            vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                            with T.init():
-                                S[vi, vj] = T.float32(0)
-                            S[vi, vj] = S[vi, vj] + T.cast(Qs[vi, vd], f32) * T.cast(Ks[vj, vd], f32)
-                    for i, j, d in T.grid(BQ, BK, D):
-                        with T.sblock("dP_gemm"):
-                            vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                            with T.init():
-                                dP[vi, vj] = T.float32(0)
-                            dP[vi, vj] = dP[vi, vj] + T.cast(dOs[vi, vd], f32) * T.cast(Vs[vj, vd], f32)
+                    m.load_k("K_load", Ks, K, vb, hk, k0, Lk, BK, D, dtype)
+                    m.load_v("V_load", Vs, V, vb, hk, k0, Lk, BK, D, dtype)
+                    m.gemm_1("S_gemm", S, Qs, Ks, BQ, BK, D)
+                    m.gemm_2("dP_gemm", dP, dOs, Vs, BQ, BK, D)
                     for i, j in T.grid(BQ, BK):
                         with T.sblock("dS"):
                             vi, vj = T.axis.remap("SS", [i, j])
                             dS[vi, vj] = _prob(causal, S[vi, vj], scale, lse_s[vi], q0 + vi, k0 + vj, Lq, Lk) * (
                                 dP[vi, vj] - delta_s[vi]
                             )
-                    for i, d, j in T.grid(BQ, D, BK):
-                        with T.sblock("dQ_gemm"):
-                            vi, vd, vj = T.axis.remap("SSR", [i, d, j])
-                            with T.init():
-                                acc[vi, vd] = acc[vi, vd]
-                            acc[vi, vd] = acc[vi, vd] + dS[vi, vj] * T.cast(Ks[vj, vd], f32)
+                    m.acc_1("dQ_gemm", acc, dS, Ks, BQ, D, BK)
 
-                for i, d in T.grid(BQ, D):
-                    with T.sblock("dQ_store"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        if q0 + vi < Lq:
-                            dQ[vb, vh, q0 + vi, vd] = T.cast(acc[vi, vd] * scale, dtype)
+                m.store_1("dQ_store", dQ, acc, vb, vh, q0, Lq, BQ, D, scale, dtype)
 
     return flash_dq
 
@@ -211,6 +179,7 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
     """
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
+    m = _Macros()
 
     @T.prim_func(s_tir=True)
     def flash_dkv(
@@ -247,20 +216,8 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                 dv_acc = T.sblock_alloc_buffer((BK, D), f32)
                 k0: T.let[T.int64] = vt * BK
 
-                for j, d in T.grid(BK, D):
-                    with T.sblock("K_load"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        if k0 + vj < Lk:
-                            Ks[vj, vd] = K[vb, vhk, k0 + vj, vd]
-                        else:
-                            Ks[vj, vd] = T.cast(0, dtype)
-                for j, d in T.grid(BK, D):
-                    with T.sblock("V_load"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        if k0 + vj < Lk:
-                            Vs[vj, vd] = V[vb, vhk, k0 + vj, vd]
-                        else:
-                            Vs[vj, vd] = T.cast(0, dtype)
+                m.load_k("K_load", Ks, K, vb, vhk, k0, Lk, BK, D, dtype)
+                m.load_v("V_load", Vs, V, vb, vhk, k0, Lk, BK, D, dtype)
                 for j, d in T.grid(BK, D):
                     with T.sblock("acc_init"):
                         vj, vd = T.axis.remap("SS", [j, d])
@@ -271,71 +228,23 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                 for g, qt in T.grid(group, T.ceildiv(Lq, BQ) - qt_first):
                     hq: T.let[T.int64] = vhk * group + g
                     q0: T.let[T.int64] = (qt_first + qt) * BQ
-                    for i, d in T.grid(BQ, D):
-                        with T.sblock("Q_load"):
-                            vi, vd = T.axis.remap("SS", [i, d])
-                            if q0 + vi < Lq:
-                                Qs[vi, vd] = Q[vb, hq, q0 + vi, vd]
-                            else:
-                                Qs[vi, vd] = T.cast(0, dtype)
-                    for i, d in T.grid(BQ, D):
-                        with T.sblock("dO_load"):
-                            vi, vd = T.axis.remap("SS", [i, d])
-                            if q0 + vi < Lq:
-                                dOs[vi, vd] = dO[vb, hq, q0 + vi, vd]
-                            else:
-                                dOs[vi, vd] = T.cast(0, dtype)
-                    for i in T.serial(BQ):
-                        with T.sblock("row_load"):
-                            vi = T.axis.remap("S", [i])
-                            if q0 + vi < Lq:
-                                lse_s[vi] = LSE[vb, hq, q0 + vi]
-                                delta_s[vi] = Delta[vb, hq, q0 + vi]
-                            else:
-                                lse_s[vi] = neg_inf()
-                                delta_s[vi] = T.float32(0)
-                    for j, i, d in T.grid(BK, BQ, D):
-                        with T.sblock("St_gemm"):
-                            vj, vi, vd = T.axis.remap("SSR", [j, i, d])
-                            with T.init():
-                                St[vj, vi] = T.float32(0)
-                            St[vj, vi] = St[vj, vi] + T.cast(Ks[vj, vd], f32) * T.cast(Qs[vi, vd], f32)
+                    m.load_q("Q_load", Qs, Q, vb, hq, q0, Lq, BQ, D, dtype)
+                    m.load_do("dO_load", dOs, dO, vb, hq, q0, Lq, BQ, D, dtype)
+                    m.load_rows("row_load", lse_s, delta_s, LSE, Delta, vb, hq, q0, Lq, BQ)
+                    m.gemm_1("St_gemm", St, Ks, Qs, BK, BQ, D)
                     for j, i in T.grid(BK, BQ):
                         with T.sblock("P"):
                             vj, vi = T.axis.remap("SS", [j, i])
                             Pt[vj, vi] = _prob(causal, St[vj, vi], scale, lse_s[vi], q0 + vi, k0 + vj, Lq, Lk)
-                    for j, d, i in T.grid(BK, D, BQ):
-                        with T.sblock("dV_gemm"):
-                            vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                            with T.init():
-                                dv_acc[vj, vd] = dv_acc[vj, vd]
-                            dv_acc[vj, vd] = dv_acc[vj, vd] + Pt[vj, vi] * T.cast(dOs[vi, vd], f32)
-                    for j, i, d in T.grid(BK, BQ, D):
-                        with T.sblock("dPt_gemm"):
-                            vj, vi, vd = T.axis.remap("SSR", [j, i, d])
-                            with T.init():
-                                dPt[vj, vi] = T.float32(0)
-                            dPt[vj, vi] = dPt[vj, vi] + T.cast(Vs[vj, vd], f32) * T.cast(dOs[vi, vd], f32)
+                    m.acc_1("dV_gemm", dv_acc, Pt, dOs, BK, D, BQ)
+                    m.gemm_2("dPt_gemm", dPt, Vs, dOs, BK, BQ, D)
                     for j, i in T.grid(BK, BQ):
                         with T.sblock("dS"):
                             vj, vi = T.axis.remap("SS", [j, i])
                             dSt[vj, vi] = Pt[vj, vi] * (dPt[vj, vi] - delta_s[vi])
-                    for j, d, i in T.grid(BK, D, BQ):
-                        with T.sblock("dK_gemm"):
-                            vj, vd, vi = T.axis.remap("SSR", [j, d, i])
-                            with T.init():
-                                dk_acc[vj, vd] = dk_acc[vj, vd]
-                            dk_acc[vj, vd] = dk_acc[vj, vd] + dSt[vj, vi] * T.cast(Qs[vi, vd], f32)
+                    m.acc_2("dK_gemm", dk_acc, dSt, Qs, BK, D, BQ)
 
-                for j, d in T.grid(BK, D):
-                    with T.sblock("dK_store"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        if k0 + vj < Lk:
-                            dK[vb, vhk, k0 + vj, vd] = T.cast(dk_acc[vj, vd] * scale, dtype)
-                for j, d in T.grid(BK, D):
-                    with T.sblock("dV_store"):
-                        vj, vd = T.axis.remap("SS", [j, d])
-                        if k0 + vj < Lk:
-                            dV[vb, vhk, k0 + vj, vd] = T.cast(dv_acc[vj, vd], dtype)
+                m.store_1("dK_store", dK, dk_acc, vb, vhk, k0, Lk, BK, D, scale, dtype)
+                m.store_2("dV_store", dV, dv_acc, vb, vhk, k0, Lk, BK, D, T.float32(1), dtype)
 
     return flash_dkv

@@ -81,3 +81,72 @@ def first_query_tile(causal: str, k0, lq, lk, block_q: int):
     if causal == "none":
         return tirx.const(0, "int64")
     return T.min(T.max(k0 - causal_offset(causal, lq, lk), 0), lq) // block_q
+
+
+# ------------------------------------------------------------------------------- macros
+# Building blocks every kernel writes the same way. Each expands, in place, to one block named
+# by its first argument, which the schedules find. TVMScript suffixes the block names of a
+# macro's second and later expansions ("_1", "_2"), so a kernel takes a fresh macro for every
+# use: ``load_q = fresh(load_tile)``.
+
+
+def fresh(fn):
+    """A new TVMScript macro of ``fn`` (its blocks keep their names on first expansion)."""
+    return T.macro(fn)
+
+
+def load_tile(name, dst, src, b, h, start, length, rows, cols, dtype):
+    """``dst[i, :] = src[b, h, start + i, :]`` for ``rows`` rows, zero past ``length``."""
+    for i, d in T.grid(rows, cols):
+        with T.sblock(name):
+            vi, vd = T.axis.remap("SS", [i, d])
+            if start + vi < length:
+                dst[vi, vd] = src[b, h, start + vi, vd]
+            else:
+                dst[vi, vd] = T.cast(0, dtype)
+
+
+def load_row_stats(name, lse_s, delta_s, LSE, Delta, b, h, start, length, rows):
+    """The LSE and Delta of ``rows`` query rows (-inf and 0 past ``length``)."""
+    for i in T.serial(rows):
+        with T.sblock(name):
+            vi = T.axis.remap("S", [i])
+            if start + vi < length:
+                lse_s[vi] = LSE[b, h, start + vi]
+                delta_s[vi] = Delta[b, h, start + vi]
+            else:
+                lse_s[vi] = neg_inf()
+                delta_s[vi] = T.float32(0)
+
+
+def gemm_nt(name, C, A, B, m, n, k):
+    """``C = A B^T`` in float32, C starting from zero."""
+    for i, j, r in T.grid(m, n, k):
+        with T.sblock(name):
+            vi, vj, vr = T.axis.remap("SSR", [i, j, r])
+            with T.init():
+                C[vi, vj] = T.float32(0)
+            C[vi, vj] = C[vi, vj] + T.cast(A[vi, vr], "float32") * T.cast(B[vj, vr], "float32")
+
+
+def gemm_acc(name, C, A, B, m, n, k):
+    """``C += A B`` (A float32, B cast to float32), accumulating across calls.
+
+    The identity init keeps it a reduction block that schedules may split and bind; C is
+    zeroed once elsewhere.
+    """
+    for i, j, r in T.grid(m, n, k):
+        with T.sblock(name):
+            vi, vj, vr = T.axis.remap("SSR", [i, j, r])
+            with T.init():
+                C[vi, vj] = C[vi, vj]
+            C[vi, vj] = C[vi, vj] + A[vi, vr] * T.cast(B[vr, vj], "float32")
+
+
+def store_tile(name, dst, acc, b, h, start, length, rows, cols, scale, dtype):
+    """``dst[b, h, start + i, :] = acc[i, :] * scale`` in ``dtype`` for rows before ``length``."""
+    for i, d in T.grid(rows, cols):
+        with T.sblock(name):
+            vi, vd = T.axis.remap("SS", [i, d])
+            if start + vi < length:
+                dst[b, h, start + vi, vd] = T.cast(acc[vi, vd] * scale, dtype)

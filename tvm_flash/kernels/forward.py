@@ -16,7 +16,18 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
-from .common import LN2, LOG2E, TileConfig, exp2_clamped, neg_inf, num_key_tiles, visible
+from .common import (
+    LN2,
+    LOG2E,
+    TileConfig,
+    exp2_clamped,
+    fresh,
+    gemm_nt,
+    load_tile,
+    neg_inf,
+    num_key_tiles,
+    visible,
+)
 
 
 def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
@@ -34,6 +45,8 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
     """
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
+    load_q, load_k, load_v, s_gemm = (fresh(load_tile), fresh(load_tile), fresh(load_tile),
+                                      fresh(gemm_nt))
 
     @T.prim_func(s_tir=True)
     def flash_fwd(
@@ -69,13 +82,7 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
                 q0: T.let[T.int64] = vt * BQ
                 scale2: T.let[T.float32] = scale * T.float32(LOG2E)
 
-                for i, d in T.grid(BQ, D):
-                    with T.sblock("Q_load"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        if q0 + vi < Lq:
-                            Qs[vi, vd] = Q[vb, vh, q0 + vi, vd]
-                        else:
-                            Qs[vi, vd] = T.cast(0, dtype)
+                load_q("Q_load", Qs, Q, vb, vh, q0, Lq, BQ, D, dtype)
                 for i, d in T.grid(BQ, D):
                     with T.sblock("acc_init"):
                         vi, vd = T.axis.remap("SS", [i, d])
@@ -92,26 +99,9 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
 
                 for kt in T.serial(num_key_tiles(causal, T.min(q0 + BQ, Lq) - 1, Lq, Lk, BK)):
                     k0: T.let[T.int64] = kt * BK
-                    for j, d in T.grid(BK, D):
-                        with T.sblock("K_load"):
-                            vj, vd = T.axis.remap("SS", [j, d])
-                            if k0 + vj < Lk:
-                                Ks[vj, vd] = K[vb, hk, k0 + vj, vd]
-                            else:
-                                Ks[vj, vd] = T.cast(0, dtype)
-                    for j, d in T.grid(BK, D):
-                        with T.sblock("V_load"):
-                            vj, vd = T.axis.remap("SS", [j, d])
-                            if k0 + vj < Lk:
-                                Vs[vj, vd] = V[vb, hk, k0 + vj, vd]
-                            else:
-                                Vs[vj, vd] = T.cast(0, dtype)
-                    for i, j, d in T.grid(BQ, BK, D):
-                        with T.sblock("S_gemm"):
-                            vi, vj, vd = T.axis.remap("SSR", [i, j, d])
-                            with T.init():
-                                S[vi, vj] = T.float32(0)
-                            S[vi, vj] = S[vi, vj] + T.cast(Qs[vi, vd], f32) * T.cast(Ks[vj, vd], f32)
+                    load_k("K_load", Ks, K, vb, hk, k0, Lk, BK, D, dtype)
+                    load_v("V_load", Vs, V, vb, hk, k0, Lk, BK, D, dtype)
+                    s_gemm("S_gemm", S, Qs, Ks, BQ, BK, D)
                     for i, j in T.grid(BQ, BK):
                         with T.sblock("row_max"):
                             vi, vj = T.axis.remap("SR", [i, j])
