@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import importlib
 import json
 import os
 import pathlib
@@ -100,11 +101,16 @@ def _runtime_versions() -> dict:
     return {"tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__}
 
 
-def versions() -> dict:
+def versions(target: str) -> dict:
+    """Versions of everything that built artifacts for ``target`` (recorded in the manifest)."""
     import torch
 
-    v = {"tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__, "torch": torch.__version__,
-         "python": platform.python_version()}
+    v = {**_runtime_versions(), "torch": torch.__version__, "python": platform.python_version()}
+    if target_kind(target) == "cuda":
+        v["cuda_compiler"] = cuda_compiler()
+        if v["cuda_compiler"] == "nvcc":
+            nvcc = importlib.import_module("tvm.support.nvcc")
+            v["cuda"] = ".".join(map(str, nvcc.get_cuda_version()))
     return v
 
 
@@ -168,10 +174,8 @@ def write_manifest(out_dir: pathlib.Path, target: str, entries: list[dict],
                             "use another --out directory")
     if manifest is None:
         manifest = {"format": FORMAT, "target": target, "kernels": {}}
-    manifest.update(versions=versions(), tuning_log=tuning_log,
+    manifest.update(versions=versions(target), tuning_log=tuning_log,
                     built=datetime.datetime.now().isoformat(timespec="seconds"))
-    if target_kind(target) == "cuda":
-        manifest["cuda_compiler"] = cuda_compiler()
     for e in entries:
         manifest["kernels"][KernelKey(**e["key"]).name] = e
     part = path.with_suffix(".part")

@@ -74,6 +74,3 @@ class KernelKey:
         op = "fwd-sinks" if self.sinks else self.op
         dtype = DTYPES[self.dtype]
         return f"{op}-d{self.head_dim}-{dtype}-{self.causal}-g{self.group}-{self.target}"
-
-    def replace(self, **changes) -> KernelKey:
-        return dataclasses.replace(self, **changes)
