@@ -43,3 +43,21 @@ def pad_rows(sch: s_tir.Schedule, producers: dict[str, str], names, pad: int) ->
         idx = [r.source.name for r in regions].index(buf)
         cols = int(regions[idx].source.shape[1])
         sch.storage_align(block, idx, axis=0, factor=cols, offset=pad)
+
+
+UNROLL_ANNOTATION = "meta_schedule.unroll_explicit"
+
+
+def apply_unroll(sch: s_tir.Schedule, loop, unroll, candidates) -> None:
+    """Auto-unroll (up to ``unroll`` steps) everything under the kernel's outermost loop.
+
+    ``unroll == "sample"`` makes it a tuning decision: a ``sample_categorical`` over
+    ``candidates`` on the ``tile`` block, which MetaSchedule's unroll postprocessor applies and
+    its mutator varies. A number applies the same pragmas directly; 0 leaves the loop alone.
+    """
+    if unroll == "sample":
+        choice = sch.sample_categorical(list(candidates), [1 / len(candidates)] * len(candidates))
+        sch.annotate(sch.get_sblock("tile"), UNROLL_ANNOTATION, choice)
+    elif unroll:
+        sch.annotate(loop, "pragma_auto_unroll_max_step", int(unroll))
+        sch.annotate(loop, "pragma_unroll_explicit", 1)

@@ -10,16 +10,32 @@ from tvm import s_tir
 from tvm_flash.kernels.common import TileConfig
 from tvm_flash.key import KernelKey
 
+from .common import apply_unroll
+
+defaults = {"unroll": 0}
+"""Hand-chosen decisions (auto-unroll depth; 0: off)."""
+space = {"unroll": (0, 16, 64)}
+"""What tuning may choose from (first = default)."""
+
 
 def tile_config(key: KernelKey) -> TileConfig:
     return TileConfig(32, 32)
 
 
-def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig) -> s_tir.Schedule:
+def tiles(key: KernelKey) -> list[TileConfig]:
+    """The tuning space's tiles: just the one (CPU tiles matter little)."""
+    return [tile_config(key)]
+
+
+def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig,
+             decisions: dict | None = None) -> s_tir.Schedule:
+    decisions = {**defaults, **(decisions or {})}
     if key.op == "bwd_pre":
         block = sch.get_sblock("delta")
         b, h, i, _ = sch.get_loops(block)
         sch.parallel(sch.fuse(b, h, i))
         return sch
-    sch.parallel(sch.fuse(*sch.get_loops(sch.get_sblock("tile"))))
+    loop = sch.fuse(*sch.get_loops(sch.get_sblock("tile")))
+    sch.parallel(loop)
+    apply_unroll(sch, loop, decisions["unroll"], space["unroll"])
     return sch

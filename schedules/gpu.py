@@ -20,7 +20,7 @@ from tvm import s_tir
 from tvm_flash.kernels.common import TileConfig
 from tvm_flash.key import KernelKey
 
-from .common import has_block, pad_rows, set_scopes
+from .common import apply_unroll, has_block, pad_rows, set_scopes
 
 THREADS = 128
 ACC_BUDGET = 64  # fp32 accumulator elements per thread
@@ -124,8 +124,15 @@ def _own_loops(sch: s_tir.Schedule, block):
     return sch.get_loops(block)[-len(sch.get(block).iter_vars):]
 
 
-def _thread_grid(rows: int, cols: int) -> tuple[int, int]:
-    tc = min(cols, 16)
+DEFAULTS = {"tc": 16, "unroll": 0}
+"""Hand-chosen decisions: threads across a GEMM tile's columns; auto-unroll depth (0: off)."""
+SPACE = {"tc": (16, 8, 32), "unroll": (0, 16, 64, 512)}
+"""What tuning may choose from (first = default). ``tc`` changes the loop structure and is
+enumerated as separate design spaces; ``unroll`` is sampled (``sample_categorical``)."""
+
+
+def _thread_grid(rows: int, cols: int, tc: int = DEFAULTS["tc"]) -> tuple[int, int]:
+    tc = min(cols, tc)
     tr = THREADS // tc
     if rows % tr or cols % tc:
         raise ValueError(f"tile {rows}x{cols} does not split over {THREADS} threads")
@@ -149,7 +156,8 @@ def _rows(sch: s_tir.Schedule, name: str) -> None:
         sch.bind(tx, "threadIdx.x")
 
 
-def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False) -> None:
+def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False,
+                tc: int = DEFAULTS["tc"]) -> None:
     """Give each thread a (rows/tr) x (cols/tc) piece of a block's 2-D output.
 
     For a GEMM block (third loop a reduction) the reduction runs inside the thread, over its
@@ -161,7 +169,7 @@ def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False) -> None:
     loops = _own_loops(sch, block)
     r, c = loops[:2]
     rows, cols = (int(sch.get(lp).extent) for lp in (r, c))
-    tr, tc = _thread_grid(rows, cols)
+    tr, tc = _thread_grid(rows, cols, tc)
     r_o, r_i = sch.split(r, [tr, None])
     c_o, c_i = sch.split(c, [tc, None])
     if len(loops) == 3:
@@ -179,11 +187,14 @@ def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False) -> None:
             sch.decompose_reduction(block, loops[2])
     if write_back is not None:
         # the register partial sums go to shared memory with the same thread mapping
-        _micro_tile(sch, write_back)
+        _micro_tile(sch, write_back, tc=tc)
 
 
-def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig,
-             params: GpuParams) -> s_tir.Schedule:
+def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuParams,
+             decisions: dict | None = None) -> s_tir.Schedule:
+    """Schedule ``key``'s kernel. ``decisions`` override ``DEFAULTS``; ``"sample"`` for
+    ``unroll`` makes it a tuning decision."""
+    decisions = {**DEFAULTS, **(decisions or {})}
     if key.op == "bwd_pre":
         block = sch.get_sblock("delta")
         b, h, i, _ = sch.get_loops(block)
@@ -199,7 +210,9 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig,
     set_scopes(sch, {b: ("local" if b in _REGISTERS else params.smem_scope) for b in producers},
                producers)
 
-    sch.bind(sch.fuse(*sch.get_loops(sch.get_sblock("tile"))), "blockIdx.x")
+    block_loop = sch.fuse(*sch.get_loops(sch.get_sblock("tile")))
+    sch.bind(block_loop, "blockIdx.x")
+    apply_unroll(sch, block_loop, decisions["unroll"], SPACE["unroll"])
     for name in _ELEMENTWISE:
         if has_block(sch, name):
             _spread(sch, name)
@@ -208,10 +221,10 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig,
             _rows(sch, name)
     for name in _SHARED_GEMMS:
         if has_block(sch, name):
-            _micro_tile(sch, name, to_registers=True)
+            _micro_tile(sch, name, to_registers=True, tc=decisions["tc"])
     for name in _REGISTER_TILES:
         if has_block(sch, name):
-            _micro_tile(sch, name)
+            _micro_tile(sch, name, tc=decisions["tc"])
     return sch
 
 
@@ -225,8 +238,23 @@ class GpuSchedule:
     def tile_config(self, key: KernelKey) -> TileConfig:
         return tile_config(key, self.params)
 
-    def schedule(self, sch: s_tir.Schedule, key: KernelKey, tile: TileConfig) -> s_tir.Schedule:
-        return schedule(sch, key, tile, self.params)
+    defaults, space = DEFAULTS, SPACE
+
+    def schedule(self, sch: s_tir.Schedule, key: KernelKey, tile: TileConfig,
+                 decisions: dict | None = None) -> s_tir.Schedule:
+        return schedule(sch, key, tile, self.params, decisions)
+
+    def tiles(self, key: KernelKey) -> list[TileConfig]:
+        """Every tile that fits this target for ``key``, largest first (the tuning space)."""
+        if key.op == "bwd_pre":
+            return [self.tile_config(key)]
+        esize = _element_bytes(key.dtype, self.params)
+        fits = []
+        for bq, bk in _CANDIDATES:
+            smem, acc = _footprint(key.op, key.head_dim, esize, bq, bk)
+            if smem <= self.params.smem_budget and acc <= ACC_BUDGET and _splits(key, bq, bk):
+                fits.append(TileConfig(bq, bk))
+        return fits
 
     def footprint(self, key: KernelKey, tile: TileConfig) -> int:
         return footprint(key, tile, self.params)

@@ -23,9 +23,10 @@ import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from tvm_flash import artifacts  # noqa: E402
+from tvm_flash import artifacts, tuning  # noqa: E402
 from tvm_flash.build import parse_target, schedules, target_kind  # noqa: E402
 from tvm_flash.key import CAUSAL_MODES, DTYPES, HEAD_DIMS, KernelKey  # noqa: E402
 
@@ -70,10 +71,23 @@ def check_supported(keys) -> None:
             sys.exit(f"error: {key.name} is not supported on {key.target}: {err}")
 
 
-def _build_one(key: KernelKey, out: pathlib.Path):
+def _build_one(key: KernelKey, out: pathlib.Path, tuned):
     start = time.time()
-    entry = artifacts.build_artifact(key, out)
+    entry = artifacts.build_artifact(key, out, tuned=tuned)
     return entry, time.time() - start
+
+
+def tuned_choices(keys, logs: pathlib.Path) -> dict:
+    """The tuning-log choice for every key that has a log (refusing bad logs up front)."""
+    choices = {}
+    for key in keys:
+        try:
+            found = tuning.load_tuned(logs, key)
+        except tuning.TuningLogError as err:
+            sys.exit(f"error: {err}")
+        if found is not None:
+            choices[key] = found
+    return choices
 
 
 def main(argv=None) -> int:
@@ -93,6 +107,9 @@ def main(argv=None) -> int:
                    help="comma list of GQA group sizes Hq/Hkv, e.g. 1,2,4,8 (default 1)")
     p.add_argument("--sinks", action="store_true",
                    help="also build the forward with per-head sink logits")
+    p.add_argument("--tuning-logs", default=str(ROOT / "tuning_logs"),
+                   help="apply MetaSchedule logs from DIR/<target>/<kernel key>/ where present "
+                        "(default: the repo's tuning_logs); 'none' to ignore logs")
     p.add_argument("--out", default=None,
                    help="output directory (default: artifacts/<target tag>)")
     p.add_argument("--jobs", type=int, default=None,
@@ -110,11 +127,15 @@ def main(argv=None) -> int:
     except ValueError as err:
         p.error(str(err))
     check_supported(keys)
+    logs = None if args.tuning_logs == "none" else pathlib.Path(args.tuning_logs)
+    tuned = tuned_choices(keys, logs) if logs else {}
     out = pathlib.Path(args.out or f"artifacts/{target}")
-    print(f"building {len(keys)} kernels for {target} into {out}", flush=True)
+    print(f"building {len(keys)} kernels for {target} into {out} ({len(tuned)} from tuning "
+          f"logs, {len(keys) - len(tuned)} with the default schedule: no matching log)",
+          flush=True)
     entries, failures, start = [], [], time.time()
     with cf.ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(_build_one, k, out): k for k in keys}
+        futures = {pool.submit(_build_one, k, out, tuned.get(k)): k for k in keys}
         for i, fut in enumerate(cf.as_completed(futures), 1):
             key = futures[fut]
             try:
@@ -124,7 +145,9 @@ def main(argv=None) -> int:
                 print(f"[{i:3}/{len(keys)}] FAILED {key.name}: {err}", flush=True)
                 continue
             entries.append(entry)
-            print(f"[{i:3}/{len(keys)}] {key.name}  {secs:.1f}s", flush=True)
+            how = (f"tuned {entry['tuned']['tile']} {entry['tuned']['decisions']}"
+                   if key in tuned else "default")
+            print(f"[{i:3}/{len(keys)}] {key.name}  {secs:.1f}s  ({how})", flush=True)
     if failures:
         print(f"error: {len(failures)} of {len(keys)} kernels failed; manifest not written",
               file=sys.stderr)

@@ -47,6 +47,7 @@ from .build import (
     cuda_compiler,
     device_source,
     fingerprint,
+    scheduled_module,
     target_kind,
 )
 from .key import DTYPES, KernelKey
@@ -126,20 +127,26 @@ def build_command(key: KernelKey, out: str | os.PathLike | None = None) -> str:
 # --------------------------------------------------------------------------------- building
 
 
-def build_artifact(key: KernelKey, out_dir: pathlib.Path, with_fingerprint: bool = False) -> dict:
+def build_artifact(key: KernelKey, out_dir: pathlib.Path, with_fingerprint: bool = False,
+                   tuned: dict | None = None) -> dict:
     """Compile ``key`` into ``out_dir``; return its manifest entry. Files appear atomically.
 
     Files are named by the key, and by its fingerprint too with ``with_fingerprint`` (the JIT
-    cache, where builds of several kernel versions live side by side).
+    cache, where builds of several kernel versions live side by side). ``tuned``: the choice
+    of a tuning log (:func:`tvm_flash.tuning.load_tuned`), recorded in the entry.
     """
-    fp = fingerprint(key)
-    built = compile_module(key)
+    choice = {"tile": tuned["tile"], "decisions": tuned["decisions"]} if tuned else None
+    fp = fingerprint(key, choice)
+    built = compile_module(key, scheduled_module(key, choice))
     stem = f"{key.name}-{fp}" if with_fingerprint else key.name
     kind = target_kind(key.target)
     # Metal host code is for arm64 macOS: shipped as objects in a tar that the Mac links
     ext = "tar" if kind == "metal" else "so"
     entry = {"key": dataclasses.asdict(key), "target": key.target, "fingerprint": fp,
-             "file": f"{stem}.{ext}", "runtime": _runtime_versions()}
+             "file": f"{stem}.{ext}", "runtime": _runtime_versions(),
+             "schedule": "tuned" if tuned else "default"}
+    if tuned:
+        entry.update(tuned=choice, tuning_log_digest=tuned["digest"])
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp = pathlib.Path(tmp)
@@ -164,8 +171,7 @@ def build_artifact(key: KernelKey, out_dir: pathlib.Path, with_fingerprint: bool
     return entry
 
 
-def write_manifest(out_dir: pathlib.Path, target: str, entries: list[dict],
-                   tuning_log: str | None = None) -> pathlib.Path:
+def write_manifest(out_dir: pathlib.Path, target: str, entries: list[dict]) -> pathlib.Path:
     """Merge ``entries`` into ``out_dir/manifest.json`` (one target per directory)."""
     path = out_dir / MANIFEST
     manifest = _read_manifest(path) if path.exists() else None
@@ -174,10 +180,13 @@ def write_manifest(out_dir: pathlib.Path, target: str, entries: list[dict],
                             "use another --out directory")
     if manifest is None:
         manifest = {"format": FORMAT, "target": target, "kernels": {}}
-    manifest.update(versions=versions(target), tuning_log=tuning_log,
+    manifest.update(versions=versions(target),
                     built=datetime.datetime.now().isoformat(timespec="seconds"))
     for e in entries:
         manifest["kernels"][KernelKey(**e["key"]).name] = e
+    # digest of the tuning log each tuned kernel was built from (None: all default schedules)
+    manifest["tuning_log"] = {name: e["tuning_log_digest"] for name, e in
+                              manifest["kernels"].items() if "tuning_log_digest" in e} or None
     part = path.with_suffix(".part")
     part.write_text(json.dumps(manifest, indent=1, sort_keys=True))
     os.replace(part, path)
@@ -238,7 +247,7 @@ def _open(directory: pathlib.Path, entry: dict, key: KernelKey):
         raise ArtifactError(f"{key.name}: artifact in {directory} was built with "
                             f"{entry.get('runtime')}, this machine runs {_runtime_versions()}; "
                             f"rebuild: {build_command(key, directory)}")
-    expected = fingerprint(key)
+    expected = fingerprint(key, entry.get("tuned"))
     if entry["fingerprint"] != expected:
         raise ArtifactError(
             f"{key.name}: artifact in {directory} was built from other kernel source "

@@ -16,7 +16,7 @@ import shutil
 import tvm
 
 from . import _schedules_path
-from .kernels import FACTORIES
+from .kernels import FACTORIES, TileConfig
 from .key import KernelKey
 
 schedules = _schedules_path.load()
@@ -80,12 +80,16 @@ def target_tag_for_device(device) -> str:
     raise ValueError(f"device: tvm-flash runs on cpu, cuda and mps tensors, not {device.type!r}")
 
 
-def scheduled_module(key: KernelKey) -> tvm.IRModule:
-    """The kernel for ``key`` with its target's schedule applied (not yet compiled)."""
+def scheduled_module(key: KernelKey, tuned: dict | None = None) -> tvm.IRModule:
+    """The kernel for ``key`` with its target's schedule applied (not yet compiled).
+
+    ``tuned``: ``{"tile": [block_q, block_k], "decisions": {...}}`` from a tuning log
+    (:func:`tvm_flash.tuning.load_tuned`); default: the hand-chosen tile and decisions.
+    """
     sched = schedules.for_target(target_kind(key.target))
-    tile = sched.tile_config(key)
+    tile = TileConfig(*tuned["tile"]) if tuned else sched.tile_config(key)
     sch = tvm.s_tir.Schedule(FACTORIES[key.op](key, tile))
-    sched.schedule(sch, key, tile)
+    sched.schedule(sch, key, tile, tuned["decisions"] if tuned else None)
     return sch.mod
 
 
@@ -106,14 +110,18 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def fingerprint(key: KernelKey) -> str:
-    """What an artifact of ``key`` was built from: the source digest, the key, its tile.
+def fingerprint(key: KernelKey, tuned: dict | None = None) -> str:
+    """What an artifact of ``key`` was built from: the source digest, the key, its tile and
+    its tuned decisions if any.
 
     Deliberately text-based rather than a hash of the lowered IR, so the same checkout gives
     the same fingerprint on every machine and Python version.
     """
-    tile = schedules.for_target(target_kind(key.target)).tile_config(key)
-    h = hashlib.sha256(f"{source_digest()};{key.name};{tile}".encode())
+    if tuned:
+        choice = f"tuned:{tuned['tile']}:{sorted(tuned['decisions'].items())}"
+    else:
+        choice = str(schedules.for_target(target_kind(key.target)).tile_config(key))
+    h = hashlib.sha256(f"{source_digest()};{key.name};{choice}".encode())
     return h.hexdigest()[:16]
 
 

@@ -1,0 +1,87 @@
+#!/usr/bin/env python
+"""Tune tvm-flash kernels with MetaSchedule on this machine and write tuning logs.
+
+The search space is the explicit schedule itself (tiles that fit, GEMM thread grids, sampled
+unroll); MetaSchedule's xgboost cost model and evolutionary search choose what to measure on the
+local device. Logs go to ``tuning_logs/<target>/<kernel key>/`` and a rerun resumes from them;
+``scripts/build.py`` applies them on any machine, GPU or not.
+
+    python scripts/tune.py --target cuda:sm_90 --kernels fwd,dq,dkv --head-dims 64,128 \\
+        --dtypes bf16 --trials 256 --time-budget 20m
+    python scripts/tune.py --target metal --dry-run      # space generation + build, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import pathlib
+import re
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tvm_flash import tuning  # noqa: E402
+from tvm_flash.build import parse_target  # noqa: E402
+from tvm_flash.key import CAUSAL_MODES, DTYPES, KernelKey  # noqa: E402
+
+SHORT = {v: k for k, v in DTYPES.items()}
+
+
+def _csv(text, convert=str):
+    return [convert(x) for x in text.split(",") if x]
+
+
+def _seconds(text: str) -> float:
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smh]?)", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"--time-budget: {text!r} is not like 90s, 20m, 1h")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True, help="llvm | cuda | cuda:sm_XY | metal[:chip]")
+    p.add_argument("--kernels", default="fwd,dq,dkv", help="comma list of fwd, dq, dkv")
+    p.add_argument("--head-dims", default="64,128")
+    p.add_argument("--dtypes", default="bf16", help="comma list of bf16, fp16, fp32")
+    p.add_argument("--causal", default="none,top-left", help=f"from {', '.join(CAUSAL_MODES)}")
+    p.add_argument("--gqa", default="1", help="comma list of GQA group sizes")
+    p.add_argument("--trials", type=int, default=256, help="measured candidates per kernel")
+    p.add_argument("--max-tiles", type=int, default=2,
+                   help="how many of the largest fitting tiles to search (trials split evenly)")
+    p.add_argument("--time-budget", type=_seconds, default=None,
+                   help="start no new kernel after this long (e.g. 20m)")
+    p.add_argument("--keep-top", type=int, default=4, help="records kept per workload")
+    p.add_argument("--logs", default=str(ROOT / "tuning_logs"), help="tuning log root")
+    p.add_argument("--dry-run", action="store_true",
+                   help="generate and build every design space; measure nothing")
+    args = p.parse_args(argv)
+    try:
+        target = parse_target(args.target)
+        keys = [KernelKey(op, d, SHORT[dt], causal, g, target)
+                for op, d, dt, causal, g in itertools.product(
+                    _csv(args.kernels), _csv(args.head_dims, int), _csv(args.dtypes),
+                    _csv(args.causal), _csv(args.gqa, int))]
+    except (ValueError, KeyError) as err:
+        p.error(str(err))
+    start = time.time()
+    for i, key in enumerate(keys, 1):
+        if args.time_budget is not None and time.time() - start > args.time_budget:
+            print(f"time budget spent: {len(keys) - i + 1} kernels not tuned")
+            break
+        print(f"[{i}/{len(keys)}] {key.name}", flush=True)
+        if args.dry_run:
+            tuning.dry_run(key)
+        else:
+            tuning.tune(key, args.logs, args.trials, max_tiles=args.max_tiles,
+                        keep_top=args.keep_top)
+    print(f"done in {time.time() - start:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

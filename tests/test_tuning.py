@@ -1,0 +1,119 @@
+"""MetaSchedule tuning on the CPU (llvm): logs, reuse by build.py, refusals, Metal dry run."""
+
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tvm_flash
+from tvm_flash import KernelKey, tuning
+from tvm_flash.build import scheduled_module
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KEY = KernelKey("fwd", 64, "float32", "top-left", 1, "llvm")
+SHAPE = {"B": 1, "Hq": 2, "L": 96}
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tuning_logs")
+    summary = tuning.tune(KEY, root, trials=4, shape=SHAPE)
+    assert summary["measured"] >= 1
+    return root
+
+
+def test_tuning_writes_small_metaschedule_logs(logs):
+    directory = tuning.log_dir(logs, KEY)
+    names = {p.name for p in directory.iterdir()}
+    assert names == {"summary.json", "database_tuning_record.json", "database_workload.json.gz"}
+    assert sum(p.stat().st_size for p in directory.iterdir()) < 64 * 1024
+    summary = json.loads((directory / "summary.json").read_text())
+    assert summary["target"] == "llvm" and summary["key"] == KEY.name
+    assert summary["best"]["tile"] == [32, 32]
+    assert summary["best"]["decisions"]["unroll"] in (0, 16, 64)
+    assert summary["best"]["run_us"] > 0
+
+
+def test_tuning_resumes_from_its_log(logs, tmp_path):
+    root = tmp_path / "logs"
+    shutil.copytree(logs, root)
+    before = len((tuning.log_dir(root, KEY) / "database_tuning_record.json").read_text()
+                 .splitlines())
+    summary = tuning.tune(KEY, root, trials=2, shape=SHAPE)
+    assert summary["measured"] >= before
+
+
+def test_build_from_logs_is_deterministic_and_runs(logs, tmp_path):
+    tuned = tuning.load_tuned(logs, KEY)
+    assert tuned is not None
+    choice = {"tile": tuned["tile"], "decisions": tuned["decisions"]}
+    assert scheduled_module(KEY, choice).script() == scheduled_module(KEY, choice).script()
+    outs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), "--target",
+                              "llvm", "--head-dims", "64", "--dtypes", "fp32", "--causal",
+                              "top-left", "--tuning-logs", str(logs), "--out", str(out)],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "1 from tuning logs" in res.stdout
+        outs.append(json.loads((out / "manifest.json").read_text()))
+    entry_a, entry_b = (m["kernels"][KEY.name] for m in outs)
+    assert entry_a["schedule"] == "tuned" and entry_a["fingerprint"] == entry_b["fingerprint"]
+    assert outs[0]["tuning_log"] == {KEY.name: tuned["digest"]}
+    try:
+        tvm_flash.use_artifacts(tmp_path / "a")
+        tvm_flash.allow_jit(False)
+        q = torch.randn(1, 2, 70, 64)
+        out = tvm_flash.attention(q, q, q, is_causal=True)
+        ref, _ = tvm_flash.attention_reference(q, q, q, causal="top-left")
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    finally:
+        tvm_flash.use_artifacts(None)
+        tvm_flash.allow_jit(None)
+
+
+def test_log_for_another_target_is_refused(logs, tmp_path):
+    cuda_key = KEY.__class__("fwd", 64, "float32", "top-left", 1, "cuda-sm_90")
+    target_dir = tuning.log_dir(tmp_path, cuda_key)
+    shutil.copytree(tuning.log_dir(logs, KEY), target_dir)
+    summary = json.loads((target_dir / "summary.json").read_text())
+    summary.update(key=cuda_key.name, target=cuda_key.target)  # relabelled, records still llvm
+    (target_dir / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(tuning.TuningLogError, match="tuned for llvm"):
+        tuning.load_tuned(tmp_path, cuda_key)
+
+
+@pytest.mark.parametrize("damage", ["summary", "records"])
+def test_corrupt_log_is_refused(logs, tmp_path, damage):
+    shutil.copytree(logs, tmp_path / "logs")
+    directory = tuning.log_dir(tmp_path / "logs", KEY)
+    name = "summary.json" if damage == "summary" else "database_tuning_record.json"
+    (directory / name).write_text((directory / name).read_text()[:40])
+    with pytest.raises(tuning.TuningLogError, match="corrupt"):
+        tuning.load_tuned(tmp_path / "logs", KEY)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), "--target", "llvm",
+                          "--head-dims", "64", "--dtypes", "fp32", "--causal", "top-left",
+                          "--tuning-logs", str(tmp_path / "logs"), "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True)
+    assert res.returncode != 0 and "corrupt" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_log_means_default_schedule():
+    assert tuning.load_tuned(ROOT / "tuning_logs", KEY.__class__(
+        "dkv", 96, "float16", "none", 8, "llvm")) is None
+
+
+def test_metal_tuning_dry_run():
+    """The Metal tuning path (space generation + build) runs on a machine without a Mac."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target",
+                          "metal:apple-m2", "--kernels", "fwd,dkv", "--head-dims", "64",
+                          "--dtypes", "fp16", "--causal", "top-left", "--dry-run"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.count("design spaces generated and built") == 2

@@ -1,0 +1,262 @@
+"""MetaSchedule tuning of kernel keys, and the tuning logs that carry results between machines.
+
+The explicit schedules are the search space. Each schedule exposes ``tiles(key)`` (the tiles
+that fit the target), ``space`` (the decisions tuning may change; first = hand-chosen) and
+takes ``decisions``. Structural choices (the tile, the GEMM thread grid ``tc``) are enumerated
+as separate design spaces; ``unroll`` is sampled (``sample_categorical``) inside each and varied
+by MetaSchedule's unroll mutator. The xgboost cost model and the evolutionary search choose what
+to measure; postprocessors (``VerifyGPUCode`` on GPUs) drop candidates that exceed the
+target's shared memory or threads before they are measured.
+
+A log lives in ``tuning_logs/<target-tag>/<kernel-key>/``: MetaSchedule's
+``database_tuning_record.json`` (pruned to the best few records per workload),
+``database_workload.json.gz`` (the workloads, gzip-compressed: one kernel's JSON is ~240 KB)
+and ``summary.json`` (the best choice, its time, trials, date, device, versions).
+``scripts/build.py`` uses ``summary.json`` after checking the whole log (:func:`load_tuned`).
+
+Lengths: kernels take every length symbolically; tuning measures one representative shape per
+length bucket. There is one bucket for now, ``any`` (GPU: B = 2, 16 query heads,
+Lq = Lk = 4096; CPU: B = 1, 4 heads, 256), which every runtime length uses.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gzip
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import shutil
+import tempfile
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+from .build import make_target, schedules, target_kind
+from .kernels import FACTORIES, TileConfig
+from .key import KernelKey
+
+BUCKETS = {"any": {"gpu": {"B": 2, "Hq": 16, "L": 4096}, "cpu": {"B": 1, "Hq": 4, "L": 256}}}
+"""Length buckets and their representative shapes (one bucket, ``any``, for now)."""
+
+DECISIONS_ANNOTATION = "tvm_flash.decisions"
+SUMMARY = "summary.json"
+RECORDS = "database_tuning_record.json"
+WORKLOADS = "database_workload.json.gz"
+
+
+class TuningLogError(RuntimeError):
+    """A tuning log is corrupt, for another key or target, or from other TVM versions."""
+
+
+def log_dir(root: str | os.PathLike, key: KernelKey) -> pathlib.Path:
+    return pathlib.Path(root) / key.target / key.name
+
+
+def tuning_target(tag: str) -> tvm.target.Target:
+    """The target to measure on: the build target, with the core count MetaSchedule wants."""
+    if tag == "llvm":
+        return tvm.target.Target({"kind": "llvm", "num-cores": os.cpu_count() or 1})
+    return make_target(tag)
+
+
+def workload(key: KernelKey, tile: TileConfig, shape: dict | None = None) -> tvm.IRModule:
+    """The kernel with batch, heads, lengths and scale fixed to a representative instance
+    (MetaSchedule measures concrete shapes and takes no scalar arguments)."""
+    shape = shape or BUCKETS["any"]["cpu" if key.target == "llvm" else "gpu"]
+    hq = shape["Hq"]
+    dims = {"B": shape["B"], "Hq": hq, "H": hq, "Hkv": max(1, hq // key.group),
+            "Lq": shape["L"], "Lk": shape["L"], "L": shape["L"]}
+    func = FACTORIES[key.op](key, tile)
+    fixed = {}
+    for param in func.params:
+        try:
+            param_shape = param.shape
+        except AttributeError:  # the scalar softmax scale
+            fixed[param] = tirx.const(1.0 / key.head_dim**0.5, "float32")
+            continue
+        # constant dims must stay the same objects for specialize()
+        new_shape = [tirx.const(dims[d.name], "int64") if isinstance(d, tirx.Var) else d
+                     for d in param_shape]
+        fixed[param] = tirx.decl_buffer(new_shape, param.dtype, name=param.name,
+                                        elem_offset=param.elem_offset, strides=param.strides,
+                                        data_alignment=param.data_alignment,
+                                        offset_factor=param.offset_factor)
+    return tvm.IRModule({"main": func.specialize(fixed).with_attr("global_symbol", "main")})
+
+
+def design_spaces(key: KernelKey, tile: TileConfig):
+    """``fn(sch) -> [Schedule]``: one design space per thread grid, unroll sampled in each."""
+    sched = schedules.for_target(target_kind(key.target))
+    thread_grids = sched.space.get("tc", (None,))
+
+    def spaces(sch):
+        out = []
+        for tc in thread_grids:
+            candidate = sch.copy()
+            fixed = {} if tc is None else {"tc": tc}
+            try:
+                sched.schedule(candidate, key, tile, {**fixed, "unroll": "sample"})
+            except (ValueError, tvm.s_tir.schedule.ScheduleError):
+                continue  # this thread grid does not divide this tile
+            fixed["tile"] = [tile.block_q, tile.block_k]
+            candidate.annotate(candidate.get_sblock("tile"), DECISIONS_ANNOTATION,
+                               json.dumps(fixed, sort_keys=True))
+            out.append(candidate)
+        return out
+
+    return spaces
+
+
+def _space_generator(key: KernelKey, tile: TileConfig):
+    from tvm.s_tir import meta_schedule as ms
+
+    # Left out on purpose: RewriteReductionBlock (the accumulating GEMMs keep their init in the
+    # reduction loop, as their accumulator has another writer) and DisallowDynamicLoop (causal
+    # kernels skip key tiles, so their key loop's extent depends on the tile).
+    postprocs = [ms.postproc.RewriteParallelVectorizeUnroll()]
+    if target_kind(key.target) != "llvm":
+        postprocs.append(ms.postproc.VerifyGPUCode())
+    return ms.space_generator.ScheduleFn(design_spaces(key, tile), sch_rules=[],
+                                         postprocs=postprocs,
+                                         mutator_probs={ms.mutator.MutateUnroll(): 1.0})
+
+
+def decisions_of(trace) -> dict:
+    """``{"tile": [bq, bk], "decisions": {...}}`` chosen by a tuning record's trace."""
+    fixed, unroll = None, 0
+    for inst in trace.insts:
+        kind = inst.kind.name
+        if kind == "Annotate" and str(inst.attrs[0]) == DECISIONS_ANNOTATION:
+            fixed = json.loads(str(inst.inputs[1]))
+        elif kind == "SampleCategorical":
+            unroll = int(inst.attrs[0][int(trace.decisions[inst])])
+    if fixed is None:
+        raise TuningLogError("a tuning record's trace carries no tvm-flash decisions")
+    tile = fixed.pop("tile")
+    return {"tile": [int(x) for x in tile], "decisions": {**fixed, "unroll": unroll}}
+
+
+def _mean_secs(run_secs) -> float:
+    secs = [float(s) for s in (run_secs or [])]
+    return sum(secs) / len(secs) if secs and max(secs) < 1e9 else float("inf")
+
+
+def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int = 2,
+         keep_top: int = 4, shape: dict | None = None, seed: int = 0, log=print) -> dict:
+    """Tune ``key`` on this machine with MetaSchedule (xgboost cost model, evolutionary
+    search), resuming from the log already under ``root``; write the log and return its
+    summary."""
+    from tvm.s_tir import meta_schedule as ms
+
+    sched = schedules.for_target(target_kind(key.target))
+    directory = log_dir(root, key)
+    directory.mkdir(parents=True, exist_ok=True)
+    tiles = sched.tiles(key)[:max_tiles]
+    per_tile = max(1, trials // len(tiles))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        work_workloads, work_records = tmp / "database_workload.json", tmp / RECORDS
+        if (directory / WORKLOADS).exists():  # resume
+            work_workloads.write_bytes(gzip.decompress((directory / WORKLOADS).read_bytes()))
+            shutil.copy(directory / RECORDS, work_records)
+        database = ms.database.JSONDatabase(str(work_workloads), str(work_records))
+        for tile in tiles:
+            log(f"{key.name}: tile {tile.block_q}x{tile.block_k}, {per_tile} trials")
+            ms.tune_tir(workload(key, tile, shape), tuning_target(key.target), str(tmp / "work"),
+                        per_tile, num_trials_per_iter=min(64, per_tile),
+                        space=_space_generator(key, tile), database=database,
+                        cost_model="xgb", seed=seed)
+        records = database.get_all_tuning_records()
+        best = min(records, key=lambda r: _mean_secs(r.run_secs), default=None)
+        if best is None or _mean_secs(best.run_secs) == float("inf"):
+            raise TuningLogError(f"{key.name}: no candidate was measured successfully")
+        _prune(work_records, keep_top)
+        shutil.copy(work_records, directory / RECORDS)
+        (directory / WORKLOADS).write_bytes(gzip.compress(work_workloads.read_bytes(), 9,
+                                                          mtime=0))
+    summary = {"key": key.name, "target": key.target, "bucket": "any",
+               "best": {**decisions_of(best.trace), "run_us": _mean_secs(best.run_secs) * 1e6},
+               "measured": len(records), "date": datetime.date.today().isoformat(),
+               "device": _device_name(key.target),
+               "versions": {"tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__}}
+    (directory / SUMMARY).write_text(json.dumps(summary, indent=1, sort_keys=True))
+    log(f"{key.name}: best {summary['best']} of {len(records)} measured candidates")
+    return summary
+
+
+def _device_name(tag: str) -> str:
+    if target_kind(tag) == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return platform.processor() or platform.machine()
+
+
+def _prune(path: pathlib.Path, keep_top: int) -> None:
+    """Keep the ``keep_top`` fastest records of each workload."""
+    by_workload: dict[int, list] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            workload_idx, record = json.loads(line)
+            by_workload.setdefault(workload_idx, []).append([workload_idx, record])
+    kept = [item for items in by_workload.values()
+            for item in sorted(items, key=lambda it: _mean_secs(it[1][1]))[:keep_top]]
+    path.write_text("".join(json.dumps(item) + "\n" for item in kept))
+
+
+def load_tuned(root: str | os.PathLike, key: KernelKey) -> dict | None:
+    """The tuned choice for ``key`` from its log; ``None`` if there is no log for it.
+
+    Refuses (:class:`TuningLogError`) a log that is corrupt, names another key or target, holds
+    a record measured for another target kind or arch, was made by another TVM version, or
+    picks a tile this target cannot hold. Returns ``{"tile", "decisions", "digest"}``.
+    """
+    directory = log_dir(root, key)
+    summary_path = directory / SUMMARY
+    if not summary_path.exists():
+        return None
+    try:
+        summary = json.loads(summary_path.read_text())
+        best = summary["best"]
+        tuned = {"tile": [int(x) for x in best["tile"]],
+                 "decisions": {str(k): int(v) for k, v in best["decisions"].items()}}
+        records_text = (directory / RECORDS).read_text()
+        targets = [json.loads(line)[1][2] for line in records_text.splitlines() if line.strip()]
+        kinds = [(t["kind"], t.get("arch")) for t in targets]
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise TuningLogError(f"{directory}: corrupt tuning log ({err!r})") from err
+    if summary.get("key") != key.name or summary.get("target") != key.target:
+        raise TuningLogError(f"{directory}: the log is for {summary.get('key')} on "
+                             f"{summary.get('target')}, not {key.name}")
+    if summary.get("versions", {}).get("tvm") != tvm.__version__:
+        raise TuningLogError(f"{directory}: tuned with TVM {summary.get('versions')}, this "
+                             f"install has {tvm.__version__}; retune")
+    want = make_target(key.target)
+    want_arch = want.attrs.get("arch")
+    for kind, arch in kinds:
+        if kind != want.kind.name or (want_arch is not None and arch != str(want_arch)):
+            raise TuningLogError(f"{directory}: holds a record tuned for {kind} "
+                                 f"{arch or ''}, not {key.target}")
+    sched = schedules.for_target(target_kind(key.target))
+    if TileConfig(*tuned["tile"]) not in sched.tiles(key):
+        raise TuningLogError(f"{directory}: tile {tuned['tile']} does not fit {key.target}")
+    digest = hashlib.sha256(summary_path.read_bytes() + records_text.encode()).hexdigest()
+    return {**tuned, "digest": digest[:16]}
+
+
+def dry_run(key: KernelKey, log=print) -> int:
+    """Generate every design space of ``key`` and build each with its first sampled decisions,
+    measuring nothing (for targets this machine cannot run, e.g. Metal on Linux)."""
+    sched = schedules.for_target(target_kind(key.target))
+    built = 0
+    for tile in sched.tiles(key):
+        base = tvm.s_tir.Schedule(workload(key, tile))
+        for space in design_spaces(key, tile)(base):
+            tvm.tirx.build(space.mod, target=make_target(key.target))
+            built += 1
+    log(f"{key.name}: {built} design spaces generated and built")
+    return built
