@@ -25,6 +25,7 @@ import datetime
 import gzip
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import platform
@@ -166,6 +167,7 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
         database = ms.database.JSONDatabase(str(work_workloads), str(work_records))
         for tile in tiles:
             log(f"{key.name}: tile {tile.block_q}x{tile.block_k}, {per_tile} trials")
+            _drop_unnamed_log_handlers()
             ms.tune_tir(workload(key, tile, shape), tuning_target(key.target), str(tmp / "work"),
                         per_tile, num_trials_per_iter=min(64, per_tile),
                         space=_space_generator(key, tile), database=database,
@@ -186,6 +188,16 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
     (directory / SUMMARY).write_text(json.dumps(summary, indent=1, sort_keys=True))
     log(f"{key.name}: best {summary['best']} of {len(records)} measured candidates")
     return summary
+
+
+def _drop_unnamed_log_handlers() -> None:
+    """MetaSchedule rebuilds its loggers with ``logging.config.dictConfig``, naming every
+    handler already on its logger; a handler someone attached without a name (seen after
+    torch.compile ran in the same process) makes that fail. Such handlers are dropped."""
+    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    for handler in list(ms_logger.handlers):
+        if handler.get_name() is None:
+            ms_logger.removeHandler(handler)
 
 
 def _device_name(tag: str) -> str:
