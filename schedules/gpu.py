@@ -75,18 +75,28 @@ def _footprint(op: str, d: int, esize: int, bq: int, bk: int) -> tuple[int, int]
     return smem, acc
 
 
-def tile_config(key: KernelKey, params: GpuParams) -> TileConfig:
-    """The largest tile that fits the on-chip memory and register budgets."""
+def tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
+    """Every tile that fits the on-chip memory and register budgets, largest first."""
     if key.head_dim > params.max_head_dim:
         raise ValueError(f"head_dim {key.head_dim} is not supported on {params.name} (at most "
                          f"{params.max_head_dim}): {params.why_max_head_dim}")
     if key.op == "bwd_pre":
-        return TileConfig(THREADS, THREADS)
+        return [TileConfig(THREADS, THREADS)]
     esize = _element_bytes(key.dtype, params)
+    fits = []
     for bq, bk in _CANDIDATES:
         smem, acc = _footprint(key.op, key.head_dim, esize, bq, bk)
         if smem <= params.smem_budget and acc <= ACC_BUDGET and _splits(key, bq, bk):
-            return TileConfig(bq, bk)
+            fits.append(TileConfig(bq, bk))
+    return fits
+
+
+def tile_config(key: KernelKey, params: GpuParams) -> TileConfig:
+    """The largest tile that fits (see :func:`tiles`); refuses a kernel that fits none."""
+    fits = tiles(key, params)
+    if fits:
+        return fits[0]
+    esize = _element_bytes(key.dtype, params)
     need = _footprint(key.op, key.head_dim, esize, *_CANDIDATES[-1])[0]
     raise ValueError(
         f"{key.op} with head_dim {key.head_dim} and {key.dtype} needs {need} bytes of "
@@ -108,15 +118,6 @@ def _splits(key: KernelKey, bq: int, bk: int) -> bool:
     except ValueError:
         return False
     return True
-
-
-def footprint(key: KernelKey, tile: TileConfig, params: GpuParams) -> int:
-    """Planned on-chip bytes of one block of ``key`` with ``tile`` (0 for the preprocess); the
-    compiler may share storage between buffers and use less."""
-    if key.op == "bwd_pre":
-        return 0
-    esize = _element_bytes(key.dtype, params)
-    return _footprint(key.op, key.head_dim, esize, tile.block_q, tile.block_k)[0]
 
 
 def _own_loops(sch: s_tir.Schedule, block):
@@ -229,8 +230,10 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
 
 
 class GpuSchedule:
-    """``tile_config`` / ``schedule`` / ``footprint`` of one GPU target, as
+    """``tile_config`` / ``tiles`` / ``space`` / ``schedule`` of one GPU target, as
     :func:`schedules.for_target` hands them out."""
+
+    space = SPACE
 
     def __init__(self, params: GpuParams):
         self.params = params
@@ -238,23 +241,10 @@ class GpuSchedule:
     def tile_config(self, key: KernelKey) -> TileConfig:
         return tile_config(key, self.params)
 
-    defaults, space = DEFAULTS, SPACE
-
     def schedule(self, sch: s_tir.Schedule, key: KernelKey, tile: TileConfig,
                  decisions: dict | None = None) -> s_tir.Schedule:
         return schedule(sch, key, tile, self.params, decisions)
 
     def tiles(self, key: KernelKey) -> list[TileConfig]:
         """Every tile that fits this target for ``key``, largest first (the tuning space)."""
-        if key.op == "bwd_pre":
-            return [self.tile_config(key)]
-        esize = _element_bytes(key.dtype, self.params)
-        fits = []
-        for bq, bk in _CANDIDATES:
-            smem, acc = _footprint(key.op, key.head_dim, esize, bq, bk)
-            if smem <= self.params.smem_budget and acc <= ACC_BUDGET and _splits(key, bq, bk):
-                fits.append(TileConfig(bq, bk))
-        return fits
-
-    def footprint(self, key: KernelKey, tile: TileConfig) -> int:
-        return footprint(key, tile, self.params)
+        return tiles(key, self.params)

@@ -34,6 +34,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import tempfile
 import threading
 
@@ -159,9 +160,8 @@ def build_artifact(key: KernelKey, out_dir: pathlib.Path, with_fingerprint: bool
             files[entry["metal_source"]] = None
         if kind == "cuda":
             src = device_source(built)
-            binary = compile_device_code(key, src)
-            ext = "fatbin" if cuda_compiler() == "nvcc" else "cubin"
-            entry.update(arch=key.target[len("cuda-"):], device_code=f"{stem}.{ext}",
+            binary, fmt = compile_device_code(key, src)
+            entry.update(arch=key.target[len("cuda-"):], device_code=f"{stem}.{fmt}",
                          source_sha256=hashlib.sha256(src.encode()).hexdigest(),
                          cuda_compiler=cuda_compiler())
             (tmp / entry["device_code"]).write_bytes(binary)
@@ -270,8 +270,6 @@ _MSL_BYTES = {"half": 2, "bfloat": 2, "ushort": 2, "short": 2, "float": 4, "int"
 
 def metal_resources(source: str) -> dict:
     """Threadgroup memory the Metal source declares, and whether it synchronises it."""
-    import re
-
     total = 0
     for dtype, count in re.findall(r"threadgroup\s+(\w+)\s+\w+\[(\d+)\]", source):
         if dtype not in _MSL_BYTES:

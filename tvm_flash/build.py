@@ -143,8 +143,10 @@ def cuda_compiler() -> str:
                                                        "nvrtc")
 
 
-def compile_device_code(key: KernelKey, source: str) -> bytes:
-    """Compile CUDA source ahead of time for the key's arch (no GPU needed with nvcc)."""
+def compile_device_code(key: KernelKey, source: str) -> tuple[bytes, str]:
+    """Compile CUDA source ahead of time for the key's arch (no GPU needed with nvcc).
+
+    Returns the device code and its format: ``fatbin`` (nvcc) or ``cubin`` (NVRTC)."""
     nvcc = importlib.import_module("tvm.support.nvcc")
     arch = key.target[len("cuda-"):]
     sm = arch[len("sm_"):]
@@ -152,5 +154,5 @@ def compile_device_code(key: KernelKey, source: str) -> bytes:
     fmt = "fatbin" if compiler == "nvcc" else "cubin"
     with make_target(key.target):
         arch_opt = ["-gencode", f"arch=compute_{sm},code={arch}"] if compiler == "nvcc" else arch
-        return bytes(nvcc.compile_cuda(source, target_format=fmt, arch=arch_opt,
-                                       compiler=compiler))
+        binary = nvcc.compile_cuda(source, target_format=fmt, arch=arch_opt, compiler=compiler)
+    return bytes(binary), fmt
