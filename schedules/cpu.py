@@ -8,7 +8,7 @@ from __future__ import annotations
 from tvm import s_tir
 
 from tvm_flash.kernels.common import TileConfig
-from tvm_flash.key import KernelKey
+from tvm_flash.key import MERGE_OPS, PACKED_BASE, KernelKey
 
 from .common import apply_unroll
 
@@ -19,7 +19,8 @@ space = {"unroll": (0, 16, 64)}
 
 
 def tile_config(key: KernelKey) -> TileConfig:
-    return TileConfig(32, 32)
+    # short-query kernels (a few packed query rows): 8 rows, long key tiles
+    return TileConfig(8, 64) if key.op in PACKED_BASE else TileConfig(32, 32)
 
 
 def tiles(key: KernelKey) -> list[TileConfig]:
@@ -30,8 +31,8 @@ def tiles(key: KernelKey) -> list[TileConfig]:
 def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig,
              decisions: dict | None = None) -> s_tir.Schedule:
     decisions = {**defaults, **(decisions or {})}
-    if key.op == "bwd_pre":
-        block = sch.get_sblock("delta")
+    if key.op in MERGE_OPS:  # row-wise kernels
+        block = sch.get_sblock("delta" if key.op == "bwd_pre" else "merge")
         b, h, i, _ = sch.get_loops(block)
         sch.parallel(sch.fuse(b, h, i))
         return sch

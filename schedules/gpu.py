@@ -18,7 +18,7 @@ import dataclasses
 from tvm import s_tir
 
 from tvm_flash.kernels.common import TileConfig
-from tvm_flash.key import KernelKey
+from tvm_flash.key import MERGE_OPS, PACKED_BASE, KernelKey
 
 from .common import apply_unroll, has_block, pad_rows, set_scopes
 
@@ -40,6 +40,9 @@ class GpuParams:
 
 _ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 _CANDIDATES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16), (16, 8), (8, 16))
+# Short-query kernels: 8 packed query rows (a decode step of 8 heads, or 8 queries of one), the
+# longest key tile that fits.
+_SHORT_CANDIDATES = ((8, 128), (8, 64), (8, 32), (8, 16))
 
 # buffer -> the block that first writes it, per kernel
 _PRODUCERS = {
@@ -55,11 +58,11 @@ _PRODUCERS = {
 }
 # blocks of each kernel by how they are mapped to threads
 _ELEMENTWISE = ("Q_load", "K_load", "V_load", "dO_load", "row_load", "stats_init", "P",
-                "rescale", "stats_update", "dS", "lse_store")
+                "rescale", "stats_update", "dS", "lse_store", "stats_store")
 _ROW_REDUCTIONS = ("row_max", "row_sum")
 _SHARED_GEMMS = ("S_gemm", "dP_gemm", "St_gemm", "dPt_gemm")
 _REGISTER_TILES = ("acc_init", "O_gemm", "O_store", "dQ_gemm", "dQ_store", "dV_gemm",
-                   "dK_gemm", "dK_store", "dV_store")
+                   "dK_gemm", "dK_store", "dV_store", "part_store")
 _REGISTERS = ("acc", "dk_acc", "dv_acc")
 _PADDED = ("Qs", "Ks", "Vs", "dOs", "S", "P", "dP", "dS", "St", "Pt", "dPt", "dSt")
 
@@ -80,13 +83,15 @@ def tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
     if key.head_dim > params.max_head_dim:
         raise ValueError(f"head_dim {key.head_dim} is not supported on {params.name} (at most "
                          f"{params.max_head_dim}): {params.why_max_head_dim}")
-    if key.op == "bwd_pre":
+    if key.op in MERGE_OPS:
         return [TileConfig(THREADS, THREADS)]
     esize = _element_bytes(key.dtype, params)
+    op = PACKED_BASE.get(key.op, key.op)
     fits = []
-    for bq, bk in _CANDIDATES:
-        smem, acc = _footprint(key.op, key.head_dim, esize, bq, bk)
-        if smem <= params.smem_budget and acc <= ACC_BUDGET and _splits(key, bq, bk):
+    for bq, bk in _SHORT_CANDIDATES if key.op in PACKED_BASE else _CANDIDATES:
+        smem, acc = _footprint(op, key.head_dim, esize, bq, bk)
+        if smem <= params.smem_budget and acc <= ACC_BUDGET and _splits(op, key.head_dim, bq,
+                                                                         bk):
             fits.append(TileConfig(bq, bk))
     return fits
 
@@ -97,7 +102,7 @@ def tile_config(key: KernelKey, params: GpuParams) -> TileConfig:
     if fits:
         return fits[0]
     esize = _element_bytes(key.dtype, params)
-    need = _footprint(key.op, key.head_dim, esize, *_CANDIDATES[-1])[0]
+    need = _footprint(PACKED_BASE.get(key.op, key.op), key.head_dim, esize, *_CANDIDATES[-1])[0]
     raise ValueError(
         f"{key.op} with head_dim {key.head_dim} and {key.dtype} needs {need} bytes of "
         f"{params.name} on-chip memory even with the smallest {_CANDIDATES[-1][0]}x"
@@ -108,10 +113,10 @@ def _element_bytes(dtype: str, params: GpuParams) -> int:
     return params.bf16_bytes if dtype == "bfloat16" else _ESIZE[dtype]
 
 
-def _splits(key: KernelKey, bq: int, bk: int) -> bool:
+def _splits(op: str, head_dim: int, bq: int, bk: int) -> bool:
     """Whether every 2-D block of the kernel divides over the threads for this tile."""
-    rows_cols = {"fwd": [(bq, bk), (bq, key.head_dim)], "dq": [(bq, bk), (bq, key.head_dim)],
-                 "dkv": [(bk, bq), (bk, key.head_dim)]}[key.op]
+    rows_cols = {"fwd": [(bq, bk), (bq, head_dim)], "dq": [(bq, bk), (bq, head_dim)],
+                 "dkv": [(bk, bq), (bk, head_dim)]}[op]
     try:
         for rows, cols in rows_cols:
             _thread_grid(rows, cols)
@@ -159,7 +164,8 @@ def _rows(sch: s_tir.Schedule, name: str) -> None:
 
 def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False,
                 tc: int = DEFAULTS["tc"]) -> None:
-    """Give each thread a (rows/tr) x (cols/tc) piece of a block's 2-D output.
+    """Give each thread a (rows/tr) x (cols/tc) piece of a block's 2-D output (a band of
+    rows, every tc-th column).
 
     For a GEMM block (third loop a reduction) the reduction runs inside the thread, over its
     micro-tile; with ``to_registers`` the partial sums stay in registers and are written to the
@@ -172,7 +178,9 @@ def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False,
     rows, cols = (int(sch.get(lp).extent) for lp in (r, c))
     tr, tc = _thread_grid(rows, cols, tc)
     r_o, r_i = sch.split(r, [tr, None])
-    c_o, c_i = sch.split(c, [tc, None])
+    # a thread's columns are interleaved (c_i * tc + c_o): neighbouring threads read
+    # neighbouring rows/columns of the shared operands, which fall in different banks
+    c_i, c_o = sch.split(c, [None, tc])
     if len(loops) == 3:
         sch.reorder(r_o, c_o, loops[2], r_i, c_i)
     else:
@@ -205,8 +213,13 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
         wb = sch.cache_write(block, 0, "local")
         sch.reverse_compute_at(wb, tx)
         return sch
+    if key.op in MERGE_OPS:  # the merges: one thread per output element
+        bx, tx = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock("merge"))), [None, THREADS])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+        return sch
 
-    producers = _PRODUCERS[key.op]
+    producers = _PRODUCERS[PACKED_BASE.get(key.op, key.op)]
     pad_rows(sch, producers, [b for b in _PADDED if b in producers], PAD)
     set_scopes(sch, {b: ("local" if b in _REGISTERS else params.smem_scope) for b in producers},
                producers)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from tvm_flash import artifacts, tuning  # noqa: E402
 from tvm_flash.build import parse_target, schedules, target_kind  # noqa: E402
-from tvm_flash.key import CAUSAL_MODES, DTYPES, HEAD_DIMS, KernelKey  # noqa: E402
+from tvm_flash.key import CAUSAL_MODES, DTYPES, HEAD_DIMS, MERGE_OPS, OPS, KernelKey  # noqa: E402
 
 SHORT = {v: k for k, v in DTYPES.items()}
 
@@ -49,13 +49,17 @@ def default_target() -> str:
 
 
 def plan(target: str, head_dims, dtypes, causals, groups, sinks=False) -> list[KernelKey]:
-    """Every kernel key to build (the preprocess kernel depends on head dim and dtype only;
-    with ``sinks`` the forward is built with and without sink logits)."""
+    """Every kernel key to build: the tiled and the short-query kernels (the row-wise ones
+    depend on head dim and dtype only; with ``sinks`` the forward and its merge are built with
+    and without sink logits)."""
     keys = []
+    with_sinks = (False, True) if sinks else (False,)
     for d, dt in itertools.product(head_dims, dtypes):
-        keys.append(KernelKey("bwd_pre", d, dt, "none", 1, target))
+        keys += [KernelKey(op, d, dt, "none", 1, target) for op in MERGE_OPS if op != "fwd_merge"]
+        keys += [KernelKey("fwd_merge", d, dt, "none", 1, target, sinks=s) for s in with_sinks]
         for causal, g in itertools.product(causals, groups):
-            keys += [KernelKey(op, d, dt, causal, g, target) for op in ("fwd", "dq", "dkv")]
+            keys += [KernelKey(op, d, dt, causal, g, target) for op in OPS
+                     if op not in MERGE_OPS]
             if sinks:
                 keys.append(KernelKey("fwd", d, dt, causal, g, target, sinks=True))
     return keys

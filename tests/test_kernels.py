@@ -12,8 +12,14 @@ from tvm_flash import KernelKey, attention, attention_reference
 from tvm_flash.artifacts import kernel
 from tvm_flash.build import make_target, scheduled_module, target_tag_for_device
 from tvm_flash.kernels import FACTORIES, TileConfig
+from tvm_flash.key import MERGE_OPS, OPS
 
-OPS = ["fwd", "bwd_pre", "dq", "dkv"]
+
+def _key(op, d, dtype, target, causal="bottom-right", group=4):
+    """A key for ``op``; row-wise kernels get the causal mode and group they are keyed by."""
+    if op in MERGE_OPS:
+        causal, group = "none", 1
+    return KernelKey(op, d, dtype, causal, group, target)
 
 
 def _allocation_shapes(func):
@@ -24,7 +30,7 @@ def _allocation_shapes(func):
 @pytest.mark.parametrize("op", OPS)
 def test_no_sequence_sized_buffer(op):
     """Every on-chip buffer has a constant shape: nothing Lq x Lk (or Lq-sized) is allocated."""
-    key = KernelKey(op, 64, "float16", "top-left", 2, "cuda-sm_90")
+    key = _key(op, 64, "float16", "cuda-sm_90", "top-left", 2)
     shapes = _allocation_shapes(FACTORIES[op](key, TileConfig(64, 64)))
     assert shapes or op == "bwd_pre"  # the preprocess allocates nothing
     for shape in shapes:
@@ -37,8 +43,7 @@ def test_no_sequence_sized_buffer(op):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_schedules_build(target, op, d, dtype):
     """Every kernel schedules and lowers for every target (CUDA source made without a GPU)."""
-    key = KernelKey(op, d, dtype, "bottom-right", 4, target)
-    mod = scheduled_module(key)
+    mod = scheduled_module(_key(op, d, dtype, target))
     tvm.tirx.build(mod, target=make_target(target))
 
 

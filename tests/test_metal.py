@@ -15,6 +15,7 @@ import tvm
 from tvm_flash import KernelKey
 from tvm_flash.artifacts import metal_resources
 from tvm_flash.build import compile_module, device_source, scheduled_module
+from tvm_flash.key import MERGE_OPS, OPS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MACHO_ARM64 = bytes.fromhex("cffaedfe0c000001")  # MH_MAGIC_64, CPU_TYPE_ARM64
@@ -26,12 +27,13 @@ def _thread_extents(mod):
     return [int(n) for n in re.findall(pattern, text)]
 
 
-@pytest.mark.parametrize("op", ["fwd", "bwd_pre", "dq", "dkv"])
+@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("d", [64, 96, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_kernel_lowers_within_metal_limits(op, d, dtype, tmp_path):
-    key = KernelKey(op, d, dtype, "bottom-right" if op != "bwd_pre" else "none",
-                    4 if op != "bwd_pre" else 1, "metal")
+    row_wise = op in MERGE_OPS
+    key = KernelKey(op, d, dtype, "none" if row_wise else "bottom-right", 1 if row_wise else 4,
+                    "metal")
     mod = scheduled_module(key)
     extents = _thread_extents(mod)
     assert extents and max(extents) <= 1024
@@ -40,7 +42,7 @@ def test_kernel_lowers_within_metal_limits(op, d, dtype, tmp_path):
     res = metal_resources(src)
     assert res["threadgroup_bytes"] <= 32 * 1024, res
     assert "double" not in src
-    if op != "bwd_pre":
+    if not row_wise:
         # every kernel that stages data in threadgroup memory reuses it across the key loop
         assert res["threadgroup_bytes"] > 0 and res["barriers"] >= 3, res
     path = tmp_path / "k.tar"
@@ -67,7 +69,7 @@ def test_build_script_writes_metal_artifacts(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["target"] == "metal-apple-m2"
-    assert len(manifest["kernels"]) == 16
+    assert len(manifest["kernels"]) == 36  # 4 x (3 row-wise + 6 per causal mode)
     for entry in manifest["kernels"].values():
         assert entry["file"].endswith(".tar") and (out / entry["file"]).exists()
         assert "#include <metal_stdlib>" in (out / entry["metal_source"]).read_text()

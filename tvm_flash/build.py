@@ -21,7 +21,9 @@ from .key import KernelKey
 
 schedules = _schedules_path.load()
 
-SYMBOLS = {"fwd": "flash_fwd", "bwd_pre": "flash_bwd_pre", "dq": "flash_dq", "dkv": "flash_dkv"}
+SYMBOLS = {"fwd": "flash_fwd", "bwd_pre": "flash_bwd_pre", "dq": "flash_dq", "dkv": "flash_dkv",
+           "fwd_split": "flash_fwd_split", "fwd_merge": "flash_fwd_merge",
+           "dq_split": "flash_dq_split", "dq_merge": "flash_dq_merge", "dkv_packed": "flash_dkv"}
 """Name of the entry function of each kernel's module."""
 
 

@@ -11,8 +11,17 @@ from __future__ import annotations
 import dataclasses
 import re
 
-OPS = ("fwd", "bwd_pre", "dq", "dkv")
+TILED_OPS = ("fwd", "bwd_pre", "dq", "dkv")
 """Kernels: forward (O, LSE); backward preprocess (Delta = rowsum(dO * O)); dQ; dK/dV."""
+SHORT_QUERY_OPS = ("fwd_split", "fwd_merge", "dq_split", "dq_merge", "dkv_packed")
+"""The short-query ("vector") path: tiles pack the queries of a GQA group; forward and dQ cut
+the keys into splits whose partial results a merge kernel adds up in order; dK/dV as the
+tiled kernel over packed rows. ``bwd_pre`` is shared."""
+OPS = TILED_OPS + SHORT_QUERY_OPS
+PACKED_BASE = {"fwd_split": "fwd", "dq_split": "dq", "dkv_packed": "dkv"}
+"""Packed-row kernels -> the tiled kernel whose blocks and buffers they share."""
+MERGE_OPS = ("bwd_pre", "fwd_merge", "dq_merge")
+"""Row-wise kernels: no causal mode, no GQA group (their keys say ``none`` and ``1``)."""
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 """Supported input dtypes (TVM spelling -> short name used in file names)."""
@@ -64,13 +73,17 @@ class KernelKey:
             raise ValueError(f"group: {self.group!r} must be a positive integer")
         if not re.fullmatch(r"[a-z0-9_.-]+", self.target):
             raise ValueError(f"target: {self.target!r} is not a target tag")
-        if self.sinks and self.op != "fwd":
-            raise ValueError(f"sinks: only the fwd kernel takes sinks, not {self.op!r}")
+        if self.sinks and self.op not in ("fwd", "fwd_merge"):
+            raise ValueError(f"sinks: only the fwd and fwd_merge kernels take sinks, not "
+                             f"{self.op!r}")
+        if self.op in MERGE_OPS and (self.causal, self.group) != ("none", 1):
+            raise ValueError(f"{self.op}: a row-wise kernel; its key takes causal='none', "
+                             f"group=1")
 
     @property
     def name(self) -> str:
         """File-system safe name, e.g. ``fwd-d64-bf16-top-left-g4-cuda-sm_90``
-        (``fwd-sinks-…`` for the forward with sinks)."""
-        op = "fwd-sinks" if self.sinks else self.op
+        (``fwd-sinks-…`` for the forward with sinks; ``dkv_packed-…`` etc.)."""
+        op = f"{self.op}-sinks" if self.sinks else self.op
         dtype = DTYPES[self.dtype]
         return f"{op}-d{self.head_dim}-{dtype}-{self.causal}-g{self.group}-{self.target}"

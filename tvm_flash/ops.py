@@ -6,6 +6,7 @@ copies, no ``.numpy()``. CUDA kernels run on PyTorch's current stream.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -43,8 +44,50 @@ def _meta(q, k, causal: str) -> dict:
             "group": q.shape[1] // k.shape[1]}
 
 
+def _row_wise(meta: dict) -> dict:
+    """The key fields of a row-wise kernel (no causal mode, no group)."""
+    return {**meta, "causal": "none", "group": 1}
+
+
+SHORT_QUERY_MAX = 8
+"""Query lengths up to this take the short-query ("vector") kernels: tiles pack the queries
+of a GQA group (8 rows) and the keys are split over blocks. Longer ones take the tiled kernels.
+Measured crossover: docs/perf.md."""
+KEYS_PER_SPLIT_MIN = 256
+"""A key split is never shorter than this (fewer, longer splits merge cheaper)."""
+_PACKED_ROWS = 8  # rows of a short-query tile (schedules pick 8; only used to size the grid)
+
+
+@functools.cache
+def _parallel_units(device) -> int:
+    """Blocks that keep ``device`` busy: two per SM on CUDA, one per thread on the CPU."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, torch.get_num_threads())
+
+
+def num_splits(q, k) -> int:
+    """Key splits for the short-query kernels: enough blocks to fill the device, but splits
+    of at least ``KEYS_PER_SPLIT_MIN`` keys."""
+    b, hq, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    blocks = b * hkv * math.ceil(hq // hkv * lq / _PACKED_ROWS)
+    want = math.ceil(_parallel_units(q.device) / blocks)
+    return max(1, min(want, math.ceil(lk / KEYS_PER_SPLIT_MIN)))
+
+
+def _partials(q, splits: int, *trailing):
+    """float32 workspace of shape ``(splits * B, Hq, Lq, *trailing)``."""
+    b, hq, lq, _ = q.shape
+    return torch.empty((splits * b, hq, lq, *trailing), dtype=torch.float32, device=q.device)
+
+
+def _short(q) -> bool:
+    return q.shape[2] <= SHORT_QUERY_MAX
+
+
 def flash_forward(q, k, v, sinks, causal: str, scale: float):
-    """Run the forward kernel: returns ``(out, lse)``. Inputs must already be validated;
+    """Run the forward kernels: returns ``(out, lse)``. Inputs must already be validated;
     ``sinks`` is None or a float32 ``(Hq,)`` tensor."""
     out = q.new_empty(q.shape)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
@@ -53,10 +96,19 @@ def flash_forward(q, k, v, sinks, causal: str, scale: float):
     if k.shape[2] == 0:  # no keys at all: every row is empty (but for its sink)
         lse.fill_(-math.inf) if sinks is None else lse.copy_(sinks[None, :, None].expand_as(lse))
         return out.zero_(), lse
-    meta = {**_meta(q, k, causal), "sinks": sinks is not None}
+    meta = _meta(q, k, causal)
+    with_sinks = {"sinks": sinks is not None}
     # without sinks the kernel ignores this (Hq,) buffer; it only fixes the calling convention
     sink_arg = sinks if sinks is not None else lse.new_empty(q.shape[1])
-    _launch("fwd", meta, q, k, v, sink_arg, out, lse, scale)
+    if _short(q):
+        splits = num_splits(q, k)
+        o_part, m_part, l_part = _partials(q, splits, q.shape[3]), _partials(q, splits), \
+            _partials(q, splits)
+        _launch("fwd_split", meta, q, k, v, o_part, m_part, l_part, scale)
+        _launch("fwd_merge", {**_row_wise(meta), **with_sinks}, o_part, m_part, l_part, sink_arg,
+                out, lse)
+    else:
+        _launch("fwd", {**meta, **with_sinks}, q, k, v, sink_arg, out, lse, scale)
     return out, lse
 
 
@@ -80,9 +132,15 @@ def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
         return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
     meta = _meta(q, k, causal)
     delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    _launch("bwd_pre", {**meta, "causal": "none", "group": 1}, out, do, delta)
-    _launch("dq", meta, q, k, v, do, lse, delta, dq, scale)
-    _launch("dkv", meta, q, k, v, do, lse, delta, dk, dv, scale)
+    _launch("bwd_pre", _row_wise(meta), out, do, delta)
+    if _short(q):
+        dq_part = _partials(q, num_splits(q, k), q.shape[3])
+        _launch("dq_split", meta, q, k, v, do, lse, delta, dq_part, scale)
+        _launch("dq_merge", _row_wise(meta), dq_part, dq, scale)
+        _launch("dkv_packed", meta, q, k, v, do, lse, delta, dk, dv, scale)
+    else:
+        _launch("dq", meta, q, k, v, do, lse, delta, dq, scale)
+        _launch("dkv", meta, q, k, v, do, lse, delta, dk, dv, scale)
     if sinks is not None:
         dsinks = sink_gradient(sinks, lse, delta)
     return dq, dk, dv, dsinks

@@ -15,6 +15,11 @@ bitwise deterministic gradients:
 
 The accumulating GEMMs carry an identity ``T.init`` so that they are reduction blocks, which
 schedules may split and bind; the accumulators themselves are zeroed once by ``acc_init``.
+
+Short queries (the "vector" path) pack the queries of a GQA group into one tile (see
+``common.Rows``): ``flash_dkv`` takes packed rows as they are, and ``flash_dq_split`` cuts
+the keys into splits that write partial dQ sums, added up in split order by
+``flash_dq_merge`` (deterministic).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from tvm.script import tirx as T
 
 from .common import (
     LOG2E,
+    TILED,
+    Rows,
     TileConfig,
     exp2_clamped,
     first_query_tile,
@@ -34,6 +41,8 @@ from .common import (
     load_tile,
     neg_inf,
     num_key_tiles,
+    pin_scalars,
+    split_size,
     store_tile,
     visible,
 )
@@ -49,9 +58,10 @@ class _Macros:
         self.gemm_1, self.gemm_2 = fresh(gemm_nt), fresh(gemm_nt)
         self.acc_1, self.acc_2 = fresh(gemm_acc), fresh(gemm_acc)
         self.store_1, self.store_2 = fresh(store_tile), fresh(store_tile)
+        self.pin = fresh(pin_scalars)
 
 
-def _prob(causal, s, scale, lse, row, col, lq, lk):
+def _prob(causal, s, scale, lse, row, col, lq, lk, end=None):
     """Recomputed probability; 0 where masked or where the row saw no key (LSE = -inf).
 
     ``s * scale - lse`` is formed in natural-log units first (one fused multiply-add on GPUs,
@@ -60,7 +70,7 @@ def _prob(causal, s, scale, lse, row, col, lq, lk):
     which costs accuracy once logits reach ~1e4.
     """
     return T.if_then_else(
-        tirx.all(visible(causal, row, col, lq, lk), lse != neg_inf()),
+        tirx.all(visible(causal, row, col, lq, lk, end), lse != neg_inf()),
         exp2_clamped((s * scale - lse) * T.float32(LOG2E)),
         T.float32(0),
     )
@@ -94,6 +104,51 @@ def flash_bwd_preprocess(head_dim: int, dtype: str, tile: TileConfig):
     return flash_bwd_pre
 
 
+def _dq_tile(head_dim: int, dtype: str, causal: str, tile: TileConfig, rows: Rows):
+    """Macro: the unscaled dQ sum of one query tile over the keys ``[k_begin, k_end)``,
+    left in ``acc``."""
+    D, BQ, BK = head_dim, tile.block_q, tile.block_k
+    f32 = "float32"
+    m = _Macros()
+
+    @T.macro
+    def dq_tile(Q, K, V, dO, LSE, Delta, acc, vb, h, hk, r0, k_begin, k_end, Lq, Lk, scale):
+        Qs = T.sblock_alloc_buffer((BQ, D), dtype)
+        dOs = T.sblock_alloc_buffer((BQ, D), dtype)
+        Ks = T.sblock_alloc_buffer((BK, D), dtype)
+        Vs = T.sblock_alloc_buffer((BK, D), dtype)
+        lse_s = T.sblock_alloc_buffer((BQ,), f32)
+        delta_s = T.sblock_alloc_buffer((BQ,), f32)
+        S = T.sblock_alloc_buffer((BQ, BK), f32)
+        dP = T.sblock_alloc_buffer((BQ, BK), f32)
+        dS = T.sblock_alloc_buffer((BQ, BK), f32)
+
+        m.load_q("Q_load", Qs, Q, vb, h, r0, Lq, BQ, D, dtype, rows)
+        m.load_do("dO_load", dOs, dO, vb, h, r0, Lq, BQ, D, dtype, rows)
+        m.load_rows("row_load", lse_s, delta_s, LSE, Delta, vb, h, r0, Lq, BQ, rows)
+        for i, d in T.grid(BQ, D):
+            with T.sblock("acc_init"):
+                vi, vd = T.axis.remap("SS", [i, d])
+                acc[vi, vd] = T.float32(0)
+
+        q_last = T.min(Lq - 1, r0 + BQ - 1) if rows.packed else T.min(r0 + BQ, Lq) - 1
+        for kt in T.serial(num_key_tiles(causal, q_last, Lq, Lk, BK, k_begin, k_end)):
+            k0: T.let[T.int64] = k_begin + kt * BK
+            m.load_k("K_load", Ks, K, vb, hk, k0, k_end, BK, D, dtype)
+            m.load_v("V_load", Vs, V, vb, hk, k0, k_end, BK, D, dtype)
+            m.gemm_1("S_gemm", S, Qs, Ks, BQ, BK, D)
+            m.gemm_2("dP_gemm", dP, dOs, Vs, BQ, BK, D)
+            for i, j in T.grid(BQ, BK):
+                with T.sblock("dS"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    dS[vi, vj] = _prob(causal, S[vi, vj], scale, lse_s[vi],
+                                       rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end) * (
+                        dP[vi, vj] - delta_s[vi])
+            m.acc_1("dQ_gemm", acc, dS, Ks, BQ, D, BK)
+
+    return dq_tile
+
+
 def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
     """Return ``flash_dq(q, k, v, do, lse, delta, dq, scale)``.
 
@@ -102,9 +157,10 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
     Named blocks: ``tile``, ``Q_load``, ``dO_load``, ``row_load``, ``acc_init``, ``K_load``,
     ``V_load``, ``S_gemm``, ``dP_gemm``, ``dS`` (P and dS elementwise), ``dQ_gemm``, ``dQ_store``.
     """
-    D, BQ, BK = head_dim, tile.block_q, tile.block_k
+    D, BQ = head_dim, tile.block_q
     f32 = "float32"
-    m = _Macros()
+    dq_tile = _dq_tile(head_dim, dtype, causal, tile, TILED)
+    store, pin = fresh(store_tile), fresh(pin_scalars)
 
     @T.prim_func(s_tir=True)
     def flash_dq(
@@ -126,48 +182,94 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
                 vb, vh, vt = T.axis.remap("SSS", [b, h, qt])
                 T.reads()
                 T.writes()
-                Qs = T.sblock_alloc_buffer((BQ, D), dtype)
-                dOs = T.sblock_alloc_buffer((BQ, D), dtype)
-                Ks = T.sblock_alloc_buffer((BK, D), dtype)
-                Vs = T.sblock_alloc_buffer((BK, D), dtype)
-                lse_s = T.sblock_alloc_buffer((BQ,), f32)
-                delta_s = T.sblock_alloc_buffer((BQ,), f32)
-                S = T.sblock_alloc_buffer((BQ, BK), f32)
-                dP = T.sblock_alloc_buffer((BQ, BK), f32)
-                dS = T.sblock_alloc_buffer((BQ, BK), f32)
                 acc = T.sblock_alloc_buffer((BQ, D), f32)
-                hk: T.let[T.int64] = vh // group
-                q0: T.let[T.int64] = vt * BQ
-
-                m.load_q("Q_load", Qs, Q, vb, vh, q0, Lq, BQ, D, dtype)
-                m.load_do("dO_load", dOs, dO, vb, vh, q0, Lq, BQ, D, dtype)
-                m.load_rows("row_load", lse_s, delta_s, LSE, Delta, vb, vh, q0, Lq, BQ)
-                for i, d in T.grid(BQ, D):
-                    with T.sblock("acc_init"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        acc[vi, vd] = T.float32(0)
-
-                for kt in T.serial(num_key_tiles(causal, T.min(q0 + BQ, Lq) - 1, Lq, Lk, BK)):
-                    k0: T.let[T.int64] = kt * BK
-                    m.load_k("K_load", Ks, K, vb, hk, k0, Lk, BK, D, dtype)
-                    m.load_v("V_load", Vs, V, vb, hk, k0, Lk, BK, D, dtype)
-                    m.gemm_1("S_gemm", S, Qs, Ks, BQ, BK, D)
-                    m.gemm_2("dP_gemm", dP, dOs, Vs, BQ, BK, D)
-                    for i, j in T.grid(BQ, BK):
-                        with T.sblock("dS"):
-                            vi, vj = T.axis.remap("SS", [i, j])
-                            dS[vi, vj] = _prob(causal, S[vi, vj], scale, lse_s[vi], q0 + vi, k0 + vj, Lq, Lk) * (
-                                dP[vi, vj] - delta_s[vi]
-                            )
-                    m.acc_1("dQ_gemm", acc, dS, Ks, BQ, D, BK)
-
-                m.store_1("dQ_store", dQ, acc, vb, vh, q0, Lq, BQ, D, scale, dtype)
+                c = T.sblock_alloc_buffer((6,), "int64", scope="local")
+                pin("coords", c, vb, vh, vh // group, vt * BQ, T.int64(0), Lk)
+                dq_tile(Q, K, V, dO, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
+                        scale)
+                store("dQ_store", dQ, acc, c[0], c[1], c[3], Lq, BQ, D, scale, dtype)
 
     return flash_dq
 
 
-def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
+def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
+    """Return ``flash_dq_split(q, k, v, do, lse, delta, dq_part, scale)``: short-query dQ,
+    one unscaled float32 partial sum per key split.
+
+    Shapes as :func:`flash_dq` but ``dq_part`` ``(NS * B, Hq, Lq, D)`` float32 (split ``s``
+    of batch ``b`` is row ``s * B + b``; NS read off the buffer). Tiles pack the queries of
+    a GQA group. Blocks as :func:`flash_dq`, with ``part_store`` for ``dQ_store``.
+    """
+    D, BQ, BK = head_dim, tile.block_q, tile.block_k
+    f32 = "float32"
+    rows = Rows(packed=True, group=group)
+    dq_tile = _dq_tile(head_dim, dtype, causal, tile, rows)
+    store, pin = fresh(store_tile), fresh(pin_scalars)
+
+    @T.prim_func(s_tir=True)
+    def flash_dq_split(
+        q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
+        delta_h: T.handle, part_h: T.handle, scale: T.float32,
+    ):
+        T.func_attr({"global_symbol": "flash_dq_split", "tirx.noalias": True})
+        B, Hq, Hkv, Lq, Lk, BS = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
+        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype)
+        LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
+        Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
+        dQpart = T.match_buffer(part_h, (BS, Hq, Lq, D), f32)
+
+        for b, hk, rt, s in T.grid(B, Hkv, T.ceildiv(group * Lq, BQ), BS // B):
+            with T.sblock("tile"):
+                vb, vhk, vt, vs = T.axis.remap("SSSS", [b, hk, rt, s])
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((BQ, D), f32)
+                c = T.sblock_alloc_buffer((6,), "int64", scope="local")
+                pin("coords", c, vb, vhk * group, vhk, vt * BQ, vs * split_size(Lk, BS // B, BK),
+                    T.min((vs + 1) * split_size(Lk, BS // B, BK), Lk))
+                dq_tile(Q, K, V, dO, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
+                        scale)
+                store("part_store", dQpart, acc, vs * B + c[0], c[1], c[3], Lq, BQ, D,
+                      T.float32(1), f32, rows)
+
+    return flash_dq_split
+
+
+def flash_dq_merge(head_dim: int, dtype: str):
+    """Return ``flash_dq_merge(dq_part, dq, scale)``: ``dq = scale * sum_s dq_part[s]``, the
+    splits added in order. Named block: ``merge``."""
+    D = head_dim
+    f32 = "float32"
+
+    @T.prim_func(s_tir=True)
+    def flash_dq_merge(part_h: T.handle, dq_h: T.handle, scale: T.float32):
+        T.func_attr({"global_symbol": "flash_dq_merge", "tirx.noalias": True})
+        B, Hq, Lq, BS = T.int64(), T.int64(), T.int64(), T.int64()
+        dQpart = T.match_buffer(part_h, (BS, Hq, Lq, D), f32)
+        dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype)
+        for b, h, i, d in T.grid(B, Hq, Lq, D):
+            with T.sblock("merge"):
+                vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, d])
+                T.reads(dQpart[:, vh, vi, vd])
+                T.writes(dQ[vb, vh, vi, vd])
+                red = T.sblock_alloc_buffer((1,), f32, scope="local")
+                red[0] = T.float32(0)
+                for s in T.serial(BS // B):
+                    red[0] = red[0] + dQpart[s * B + vb, vh, vi, vd]
+                dQ[vb, vh, vi, vd] = T.cast(red[0] * scale, dtype)
+
+    return flash_dq_merge
+
+
+def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
+              packed: bool = False):
     """Return ``flash_dkv(q, k, v, do, lse, delta, dk, dv, scale)``.
+
+    ``packed``: query tiles pack the queries of all heads of the GQA group (the short-query
+    path; see ``common.Rows``) instead of walking the heads one by one.
 
     Shapes as :func:`flash_dq`, plus dk, dv ``(B, Hkv, Lk, D)``. One ``tile`` block per
     (batch, key/value head, key tile) loops over the ``group`` query heads sharing that head
@@ -180,6 +282,7 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
     m = _Macros()
+    rows = Rows(packed=packed, group=group)
 
     @T.prim_func(s_tir=True)
     def flash_dkv(
@@ -214,28 +317,33 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                 dSt = T.sblock_alloc_buffer((BK, BQ), f32)
                 dk_acc = T.sblock_alloc_buffer((BK, D), f32)
                 dv_acc = T.sblock_alloc_buffer((BK, D), f32)
-                k0: T.let[T.int64] = vt * BK
+                # c: batch, kv head, first key, first query tile that sees it
+                c = T.sblock_alloc_buffer((6,), "int64", scope="local")
+                m.pin("coords", c, vb, vhk, vt * BK,
+                      first_query_tile(causal, vt * BK, Lq, Lk, BQ, rows), T.int64(0), T.int64(0))
 
-                m.load_k("K_load", Ks, K, vb, vhk, k0, Lk, BK, D, dtype)
-                m.load_v("V_load", Vs, V, vb, vhk, k0, Lk, BK, D, dtype)
+                m.load_k("K_load", Ks, K, c[0], c[1], c[2], Lk, BK, D, dtype)
+                m.load_v("V_load", Vs, V, c[0], c[1], c[2], Lk, BK, D, dtype)
                 for j, d in T.grid(BK, D):
                     with T.sblock("acc_init"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         dk_acc[vj, vd] = T.float32(0)
                         dv_acc[vj, vd] = T.float32(0)
 
-                qt_first: T.let[T.int64] = first_query_tile(causal, k0, Lq, Lk, BQ)
-                for g, qt in T.grid(group, T.ceildiv(Lq, BQ) - qt_first):
-                    hq: T.let[T.int64] = vhk * group + g
-                    q0: T.let[T.int64] = (qt_first + qt) * BQ
-                    m.load_q("Q_load", Qs, Q, vb, hq, q0, Lq, BQ, D, dtype)
-                    m.load_do("dO_load", dOs, dO, vb, hq, q0, Lq, BQ, D, dtype)
-                    m.load_rows("row_load", lse_s, delta_s, LSE, Delta, vb, hq, q0, Lq, BQ)
+                for g, qt in T.grid(rows.heads_per_tile_loop(group),
+                                    T.ceildiv(rows.count(Lq), BQ) - c[3]):
+                    hq: T.let[T.int64] = c[1] * group + g
+                    q0: T.let[T.int64] = (c[3] + qt) * BQ
+                    m.load_q("Q_load", Qs, Q, c[0], hq, q0, Lq, BQ, D, dtype, rows)
+                    m.load_do("dO_load", dOs, dO, c[0], hq, q0, Lq, BQ, D, dtype, rows)
+                    m.load_rows("row_load", lse_s, delta_s, LSE, Delta, c[0], hq, q0, Lq, BQ,
+                                rows)
                     m.gemm_1("St_gemm", St, Ks, Qs, BK, BQ, D)
                     for j, i in T.grid(BK, BQ):
                         with T.sblock("P"):
                             vj, vi = T.axis.remap("SS", [j, i])
-                            Pt[vj, vi] = _prob(causal, St[vj, vi], scale, lse_s[vi], q0 + vi, k0 + vj, Lq, Lk)
+                            Pt[vj, vi] = _prob(causal, St[vj, vi], scale, lse_s[vi],
+                                               rows.query(q0 + vi, Lq), c[2] + vj, Lq, Lk)
                     m.acc_1("dV_gemm", dv_acc, Pt, dOs, BK, D, BQ)
                     m.gemm_2("dPt_gemm", dPt, Vs, dOs, BK, BQ, D)
                     for j, i in T.grid(BK, BQ):
@@ -244,7 +352,8 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                             dSt[vj, vi] = Pt[vj, vi] * (dPt[vj, vi] - delta_s[vi])
                     m.acc_2("dK_gemm", dk_acc, dSt, Qs, BK, D, BQ)
 
-                m.store_1("dK_store", dK, dk_acc, vb, vhk, k0, Lk, BK, D, scale, dtype)
-                m.store_2("dV_store", dV, dv_acc, vb, vhk, k0, Lk, BK, D, T.float32(1), dtype)
+                m.store_1("dK_store", dK, dk_acc, c[0], c[1], c[2], Lk, BK, D, scale, dtype)
+                m.store_2("dV_store", dV, dv_acc, c[0], c[1], c[2], Lk, BK, D, T.float32(1),
+                          dtype)
 
     return flash_dkv

@@ -35,6 +35,39 @@ class TileConfig:
     block_k: int = 64
 
 
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """How the rows of a query tile map to (query head, query position).
+
+    ``Rows()``: a tile holds consecutive queries of one head (row ``r`` is query ``r`` of head
+    ``h``). ``Rows(packed=True, group=g)``: a tile holds the queries of all ``g`` heads that
+    share one key/value head, flattened head-major (row ``r`` is query ``r % Lq`` of head
+    ``h + r // Lq``), so a short query length still fills the tile and the heads share
+    their K/V reads. ``r`` counts from the first row of the (head or group) and ``h`` is its
+    first head. Kernels call these methods inside TVMScript.
+    """
+
+    packed: bool = False
+    group: int = 1
+
+    def head(self, h, r, lq):
+        return h + r // lq if self.packed else h
+
+    def query(self, r, lq):
+        return r % lq if self.packed else r
+
+    def count(self, lq):
+        """Rows of one head (plain) or of one group (packed)."""
+        return lq * self.group if self.packed else lq
+
+    def heads_per_tile_loop(self, group: int) -> int:
+        """Query heads a key tile loops over one by one (packed rows hold them all)."""
+        return 1 if self.packed else group
+
+
+TILED = Rows()
+
+
 def neg_inf():
     return tirx.const(NEG_INF, "float32")
 
@@ -49,6 +82,20 @@ def exp2_clamped(x):
     return T.exp2(T.if_then_else(x > T.float32(0), T.float32(0), x))
 
 
+def key_end(causal: str, q_last, lq, lk):
+    """One past the last key visible to any query up to position ``q_last``."""
+    if causal == "none":
+        return lk
+    return T.min(lk, T.max(q_last + causal_offset(causal, lq, lk) + 1, 0))
+
+
+def split_size(lk, num_splits, block_k: int):
+    """Keys per split when ``lk`` keys are cut into ``num_splits`` splits of whole key tiles;
+    split ``s`` holds keys ``[s * size, min((s + 1) * size, lk))`` (the last ones may be
+    empty)."""
+    return T.ceildiv(T.ceildiv(lk, num_splits), block_k) * block_k
+
+
 def causal_offset(causal: str, lq, lk):
     """Column offset of the causal diagonal: key j visible to query i iff ``j <= i + offset``."""
     if causal == "bottom-right":
@@ -56,29 +103,35 @@ def causal_offset(causal: str, lq, lk):
     return tirx.const(0, "int64")
 
 
-def visible(causal: str, row, col, lq, lk):
-    """Whether key ``col`` is visible to query ``row`` (both absolute positions)."""
-    in_range = col < lk
+def visible(causal: str, row, col, lq, lk, end=None):
+    """Whether key ``col`` is visible to query ``row`` (both absolute positions); ``end``:
+    keys from there on belong to another split."""
+    in_range = col < (lk if end is None else end)
     if causal == "none":
         return in_range
     return tirx.all(in_range, col <= row + causal_offset(causal, lq, lk))
 
 
-def num_key_tiles(causal: str, q_last, lq, lk, block_k: int):
-    """Key tiles that hold at least one key visible to a query tile ending at row ``q_last``.
+def num_key_tiles(causal: str, q_last, lq, lk, block_k: int, begin=None, end=None):
+    """Key tiles from ``begin`` (default 0) to ``end`` (default ``lk``) that hold at least one
+    key visible to a query up to position ``q_last``.
 
     Tiles past the causal diagonal are skipped entirely, not masked.
     """
-    all_tiles = T.ceildiv(lk, block_k)
-    if causal == "none":
-        return all_tiles
-    last_col = q_last + causal_offset(causal, lq, lk)
-    return T.min(all_tiles, T.ceildiv(T.max(last_col + 1, 0), block_k))
+    if begin is None:
+        all_tiles = T.ceildiv(lk, block_k)
+        if causal == "none":
+            return all_tiles
+        last_col = q_last + causal_offset(causal, lq, lk)
+        return T.min(all_tiles, T.ceildiv(T.max(last_col + 1, 0), block_k))
+    stop = T.min(end, key_end(causal, q_last, lq, lk))
+    return T.ceildiv(T.max(stop - begin, 0), block_k)
 
 
-def first_query_tile(causal: str, k0, lq, lk, block_q: int):
-    """First query tile that sees any key of a key tile starting at ``k0``."""
-    if causal == "none":
+def first_query_tile(causal: str, k0, lq, lk, block_q: int, rows: Rows = TILED):
+    """First query tile that sees any key of a key tile starting at ``k0`` (packed rows: 0,
+    their positions are not ordered)."""
+    if causal == "none" or rows.packed:
         return tirx.const(0, "int64")
     return T.min(T.max(k0 - causal_offset(causal, lq, lk), 0), lq) // block_q
 
@@ -95,25 +148,46 @@ def fresh(fn):
     return T.macro(fn)
 
 
-def load_tile(name, dst, src, b, h, start, length, rows, cols, dtype):
-    """``dst[i, :] = src[b, h, start + i, :]`` for ``rows`` rows, zero past ``length``."""
+def pin_scalars(name, buf, v0, v1, v2, v3, v4, v5):
+    """``buf[0:6] = v0..v5``: a tile's integer coordinates, computed once per block.
+
+    TVM substitutes integer ``let`` values (and block coordinates) into every use; inside the
+    loops that expands into 64-bit divisions per element, which the CUDA compiler cannot hoist
+    out of the guarded loads. Values read from a small ``local`` buffer stay in registers.
+    """
+    with T.sblock(name):
+        T.reads()
+        T.writes(buf[0:6])
+        buf[0] = v0
+        buf[1] = v1
+        buf[2] = v2
+        buf[3] = v3
+        buf[4] = v4
+        buf[5] = v5
+
+
+def load_tile(name, dst, src, b, h, start, length, rows, cols, dtype, lay=TILED):
+    """``dst[i, :] = src[b, h, start + i, :]`` for ``rows`` rows, zero past ``length``
+    (``lay``: packed query rows, see :class:`Rows`)."""
     for i, d in T.grid(rows, cols):
         with T.sblock(name):
             vi, vd = T.axis.remap("SS", [i, d])
-            if start + vi < length:
-                dst[vi, vd] = src[b, h, start + vi, vd]
+            if start + vi < lay.count(length):
+                dst[vi, vd] = src[b, lay.head(h, start + vi, length),
+                                  lay.query(start + vi, length), vd]
             else:
                 dst[vi, vd] = T.cast(0, dtype)
 
 
-def load_row_stats(name, lse_s, delta_s, LSE, Delta, b, h, start, length, rows):
+def load_row_stats(name, lse_s, delta_s, LSE, Delta, b, h, start, length, rows, lay=TILED):
     """The LSE and Delta of ``rows`` query rows (-inf and 0 past ``length``)."""
     for i in T.serial(rows):
         with T.sblock(name):
             vi = T.axis.remap("S", [i])
-            if start + vi < length:
-                lse_s[vi] = LSE[b, h, start + vi]
-                delta_s[vi] = Delta[b, h, start + vi]
+            if start + vi < lay.count(length):
+                lse_s[vi] = LSE[b, lay.head(h, start + vi, length), lay.query(start + vi, length)]
+                delta_s[vi] = Delta[b, lay.head(h, start + vi, length),
+                                    lay.query(start + vi, length)]
             else:
                 lse_s[vi] = neg_inf()
                 delta_s[vi] = T.float32(0)
@@ -143,10 +217,11 @@ def gemm_acc(name, C, A, B, m, n, k):
             C[vi, vj] = C[vi, vj] + A[vi, vr] * T.cast(B[vr, vj], "float32")
 
 
-def store_tile(name, dst, acc, b, h, start, length, rows, cols, scale, dtype):
+def store_tile(name, dst, acc, b, h, start, length, rows, cols, scale, dtype, lay=TILED):
     """``dst[b, h, start + i, :] = acc[i, :] * scale`` in ``dtype`` for rows before ``length``."""
     for i, d in T.grid(rows, cols):
         with T.sblock(name):
             vi, vd = T.axis.remap("SS", [i, d])
-            if start + vi < length:
-                dst[b, h, start + vi, vd] = T.cast(acc[vi, vd] * scale, dtype)
+            if start + vi < lay.count(length):
+                dst[b, lay.head(h, start + vi, length), lay.query(start + vi, length),
+                    vd] = T.cast(acc[vi, vd] * scale, dtype)

@@ -10,6 +10,13 @@ Named blocks (the schedules find them by these names):
 ``row_sum``, ``stats_update``, ``O_gemm`` (acc = acc * alpha + P V), ``O_store``, ``lse_store``.
 Each is a complete or reduction block (no block reads what it writes, but for the
 accumulating GEMMs), so schedules can split, bind and tensorize them freely.
+
+The short-query ("vector") forward for a few queries against many keys runs the same tile
+loop with two changes (:func:`flash_forward_split`): a tile packs the queries of every head
+of a GQA group (so Lq = 1 still fills it and the heads share their K/V reads), and the keys
+are cut into splits, each block writing a partial result; :func:`flash_forward_merge`
+combines the splits in a fixed order (deterministic, no atomics). Extra blocks:
+``part_store``, ``stats_store`` (split) and ``merge`` (merge).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from tvm.script import tirx as T
 from .common import (
     LN2,
     LOG2E,
+    TILED,
+    Rows,
     TileConfig,
     exp2_clamped,
     fresh,
@@ -26,8 +35,112 @@ from .common import (
     load_tile,
     neg_inf,
     num_key_tiles,
+    pin_scalars,
+    split_size,
+    store_tile,
     visible,
 )
+
+
+def _attend(head_dim: int, dtype: str, causal: str, tile: TileConfig, sinks: bool,
+            rows: Rows):
+    """Macro: one query tile's online softmax over the keys ``[k_begin, k_end)``.
+
+    Leaves the unnormalised output in ``acc`` and the running max ``m`` (base 2) and sum
+    ``lsum`` per row; ``h``/``r0`` locate the tile's rows (see :class:`Rows`).
+    """
+    D, BQ, BK = head_dim, tile.block_q, tile.block_k
+    f32 = "float32"
+    load_q, load_k, load_v, s_gemm = (fresh(load_tile), fresh(load_tile), fresh(load_tile),
+                                      fresh(gemm_nt))
+
+    @T.macro
+    def attend(Q, K, V, Sinks, acc, m, lsum, vb, h, hk, r0, k_begin, k_end, Lq, Lk, scale):
+        Qs = T.sblock_alloc_buffer((BQ, D), dtype)
+        Ks = T.sblock_alloc_buffer((BK, D), dtype)
+        Vs = T.sblock_alloc_buffer((BK, D), dtype)
+        S = T.sblock_alloc_buffer((BQ, BK), f32)
+        P = T.sblock_alloc_buffer((BQ, BK), f32)
+        m_new = T.sblock_alloc_buffer((BQ,), f32)
+        l_new = T.sblock_alloc_buffer((BQ,), f32)
+        alpha = T.sblock_alloc_buffer((BQ,), f32)
+        scale2: T.let[T.float32] = scale * T.float32(LOG2E)
+
+        load_q("Q_load", Qs, Q, vb, h, r0, Lq, BQ, D, dtype, rows)
+        for i, d in T.grid(BQ, D):
+            with T.sblock("acc_init"):
+                vi, vd = T.axis.remap("SS", [i, d])
+                acc[vi, vd] = T.float32(0)
+        for i in T.serial(BQ):
+            with T.sblock("stats_init"):
+                vi = T.axis.remap("S", [i])
+                if sinks:
+                    m[vi] = Sinks[h] * T.float32(LOG2E)
+                    lsum[vi] = T.float32(1)
+                else:
+                    m[vi] = neg_inf()
+                    lsum[vi] = T.float32(0)
+
+        q_last = T.min(Lq - 1, r0 + BQ - 1) if rows.packed else T.min(r0 + BQ, Lq) - 1
+        for kt in T.serial(num_key_tiles(causal, q_last, Lq, Lk, BK, k_begin, k_end)):
+            k0: T.let[T.int64] = k_begin + kt * BK
+            load_k("K_load", Ks, K, vb, hk, k0, k_end, BK, D, dtype)
+            load_v("V_load", Vs, V, vb, hk, k0, k_end, BK, D, dtype)
+            s_gemm("S_gemm", S, Qs, Ks, BQ, BK, D)
+            for i, j in T.grid(BQ, BK):
+                with T.sblock("row_max"):
+                    vi, vj = T.axis.remap("SR", [i, j])
+                    with T.init():
+                        m_new[vi] = m[vi]
+                    m_new[vi] = T.max(m_new[vi], T.if_then_else(
+                        visible(causal, rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end),
+                        S[vi, vj] * scale2, neg_inf()))
+            for i, j in T.grid(BQ, BK):
+                with T.sblock("P"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    P[vi, vj] = T.if_then_else(
+                        visible(causal, rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end),
+                        exp2_clamped(S[vi, vj] * scale2 - m_new[vi]),
+                        T.float32(0),
+                    )
+            for i in T.serial(BQ):
+                with T.sblock("rescale"):
+                    vi = T.axis.remap("S", [i])
+                    # m_new == -inf: no visible key yet, acc and l are still zero.
+                    alpha[vi] = T.if_then_else(
+                        m_new[vi] == neg_inf(), T.float32(1), exp2_clamped(m[vi] - m_new[vi])
+                    )
+            for i, j in T.grid(BQ, BK):
+                with T.sblock("row_sum"):
+                    vi, vj = T.axis.remap("SR", [i, j])
+                    with T.init():
+                        l_new[vi] = lsum[vi] * alpha[vi]
+                    l_new[vi] = l_new[vi] + P[vi, vj]
+            for i in T.serial(BQ):
+                with T.sblock("stats_update"):
+                    vi = T.axis.remap("S", [i])
+                    m[vi] = m_new[vi]
+                    lsum[vi] = l_new[vi]
+            for i, d, j in T.grid(BQ, D, BK):
+                with T.sblock("O_gemm"):
+                    vi, vd, vj = T.axis.remap("SSR", [i, d, j])
+                    with T.init():
+                        acc[vi, vd] = acc[vi, vd] * alpha[vi]
+                    acc[vi, vd] = acc[vi, vd] + P[vi, vj] * T.cast(Vs[vj, vd], f32)
+
+    return attend
+
+
+def _normalised(acc, lsum):
+    """A row's output from its unnormalised sum; ``l == 0`` only for a row that saw no key
+    (nor sink). A NaN ``l`` (non-finite input) must reach the output: the test is an
+    equality."""
+    return T.if_then_else(lsum == T.float32(0), T.float32(0), acc / lsum)
+
+
+def _lse(m, lsum):
+    """A row's LSE (natural log) from its base-2 max and sum; -inf for a row with no key."""
+    return T.if_then_else(lsum == T.float32(0), neg_inf(), (m + T.log2(lsum)) * T.float32(LN2))
 
 
 def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
@@ -43,10 +156,10 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
     With sinks the online softmax simply starts from the sink: ``m = sink * log2(e)``,
     ``l = 1``. The LSE then includes the sink, so the backward kernels need no change.
     """
-    D, BQ, BK = head_dim, tile.block_q, tile.block_k
+    D, BQ = head_dim, tile.block_q
     f32 = "float32"
-    load_q, load_k, load_v, s_gemm = (fresh(load_tile), fresh(load_tile), fresh(load_tile),
-                                      fresh(gemm_nt))
+    attend = _attend(head_dim, dtype, causal, tile, sinks, TILED)
+    pin = fresh(pin_scalars)
 
     @T.prim_func(s_tir=True)
     def flash_fwd(
@@ -67,99 +180,136 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
                 vb, vh, vt = T.axis.remap("SSS", [b, h, qt])
                 T.reads()
                 T.writes()
-                Qs = T.sblock_alloc_buffer((BQ, D), dtype)
-                Ks = T.sblock_alloc_buffer((BK, D), dtype)
-                Vs = T.sblock_alloc_buffer((BK, D), dtype)
-                S = T.sblock_alloc_buffer((BQ, BK), f32)
-                P = T.sblock_alloc_buffer((BQ, BK), f32)
                 acc = T.sblock_alloc_buffer((BQ, D), f32)
                 m = T.sblock_alloc_buffer((BQ,), f32)
                 lsum = T.sblock_alloc_buffer((BQ,), f32)
-                m_new = T.sblock_alloc_buffer((BQ,), f32)
-                l_new = T.sblock_alloc_buffer((BQ,), f32)
-                alpha = T.sblock_alloc_buffer((BQ,), f32)
-                hk: T.let[T.int64] = vh // group
-                q0: T.let[T.int64] = vt * BQ
-                scale2: T.let[T.float32] = scale * T.float32(LOG2E)
-
-                load_q("Q_load", Qs, Q, vb, vh, q0, Lq, BQ, D, dtype)
-                for i, d in T.grid(BQ, D):
-                    with T.sblock("acc_init"):
-                        vi, vd = T.axis.remap("SS", [i, d])
-                        acc[vi, vd] = T.float32(0)
-                for i in T.serial(BQ):
-                    with T.sblock("stats_init"):
-                        vi = T.axis.remap("S", [i])
-                        if sinks:
-                            m[vi] = Sinks[vh] * T.float32(LOG2E)
-                            lsum[vi] = T.float32(1)
-                        else:
-                            m[vi] = neg_inf()
-                            lsum[vi] = T.float32(0)
-
-                for kt in T.serial(num_key_tiles(causal, T.min(q0 + BQ, Lq) - 1, Lq, Lk, BK)):
-                    k0: T.let[T.int64] = kt * BK
-                    load_k("K_load", Ks, K, vb, hk, k0, Lk, BK, D, dtype)
-                    load_v("V_load", Vs, V, vb, hk, k0, Lk, BK, D, dtype)
-                    s_gemm("S_gemm", S, Qs, Ks, BQ, BK, D)
-                    for i, j in T.grid(BQ, BK):
-                        with T.sblock("row_max"):
-                            vi, vj = T.axis.remap("SR", [i, j])
-                            with T.init():
-                                m_new[vi] = m[vi]
-                            m_new[vi] = T.max(m_new[vi], T.if_then_else(
-                                visible(causal, q0 + vi, k0 + vj, Lq, Lk), S[vi, vj] * scale2, neg_inf()
-                            ))
-                    for i, j in T.grid(BQ, BK):
-                        with T.sblock("P"):
-                            vi, vj = T.axis.remap("SS", [i, j])
-                            P[vi, vj] = T.if_then_else(
-                                visible(causal, q0 + vi, k0 + vj, Lq, Lk),
-                                exp2_clamped(S[vi, vj] * scale2 - m_new[vi]),
-                                T.float32(0),
-                            )
-                    for i in T.serial(BQ):
-                        with T.sblock("rescale"):
-                            vi = T.axis.remap("S", [i])
-                            # m_new == -inf: no visible key yet, acc and l are still zero.
-                            alpha[vi] = T.if_then_else(
-                                m_new[vi] == neg_inf(), T.float32(1), exp2_clamped(m[vi] - m_new[vi])
-                            )
-                    for i, j in T.grid(BQ, BK):
-                        with T.sblock("row_sum"):
-                            vi, vj = T.axis.remap("SR", [i, j])
-                            with T.init():
-                                l_new[vi] = lsum[vi] * alpha[vi]
-                            l_new[vi] = l_new[vi] + P[vi, vj]
-                    for i in T.serial(BQ):
-                        with T.sblock("stats_update"):
-                            vi = T.axis.remap("S", [i])
-                            m[vi] = m_new[vi]
-                            lsum[vi] = l_new[vi]
-                    for i, d, j in T.grid(BQ, D, BK):
-                        with T.sblock("O_gemm"):
-                            vi, vd, vj = T.axis.remap("SSR", [i, d, j])
-                            with T.init():
-                                acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                            acc[vi, vd] = acc[vi, vd] + P[vi, vj] * T.cast(Vs[vj, vd], f32)
+                c = T.sblock_alloc_buffer((6,), "int64", scope="local")
+                pin("coords", c, vb, vh, vh // group, vt * BQ, T.int64(0), Lk)
+                attend(Q, K, V, Sinks, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
+                       scale)
 
                 for i, d in T.grid(BQ, D):
                     with T.sblock("O_store"):
                         vi, vd = T.axis.remap("SS", [i, d])
-                        if q0 + vi < Lq:
-                            # l == 0 only for a row that saw no key (nor sink); a NaN l
-                            # (non-finite input) must reach the output, so test equality.
-                            O[vb, vh, q0 + vi, vd] = T.cast(T.if_then_else(
-                                lsum[vi] == T.float32(0), T.float32(0), acc[vi, vd] / lsum[vi]
-                            ), dtype)
+                        if c[3] + vi < Lq:
+                            O[c[0], c[1], c[3] + vi, vd] = T.cast(
+                                _normalised(acc[vi, vd], lsum[vi]), dtype)
                 for i in T.serial(BQ):
                     with T.sblock("lse_store"):
                         vi = T.axis.remap("S", [i])
-                        if q0 + vi < Lq:
-                            LSE[vb, vh, q0 + vi] = T.if_then_else(
-                                lsum[vi] == T.float32(0),
-                                neg_inf(),
-                                (m[vi] + T.log2(lsum[vi])) * T.float32(LN2),
-                            )
+                        if c[3] + vi < Lq:
+                            LSE[c[0], c[1], c[3] + vi] = _lse(m[vi], lsum[vi])
 
     return flash_fwd
+
+
+def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
+    """Return ``flash_fwd_split(q, k, v, o_part, m_part, l_part, scale)``: the short-query
+    forward's partial results, one per key split.
+
+    Shapes: q ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; o_part ``(NS * B, Hq, Lq, D)``,
+    m_part and l_part ``(NS * B, Hq, Lq)``, all float32, where NS (the number of key splits)
+    is read off the buffers' first dimension; split ``s`` of batch ``b`` is row ``s * B + b``.
+    ``o_part`` holds the unnormalised output, ``m_part`` the running max (base 2) and
+    ``l_part`` the sum of one split; :func:`flash_forward_merge` combines them. Sinks enter
+    only at the merge.
+    """
+    D, BQ, BK = head_dim, tile.block_q, tile.block_k
+    f32 = "float32"
+    rows = Rows(packed=True, group=group)
+    attend = _attend(head_dim, dtype, causal, tile, False, rows)
+    store_o = fresh(store_tile)
+    pin = fresh(pin_scalars)
+
+    @T.prim_func(s_tir=True)
+    def flash_fwd_split(
+        q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, m_h: T.handle,
+        l_h: T.handle, scale: T.float32,
+    ):
+        T.func_attr({"global_symbol": "flash_fwd_split", "tirx.noalias": True})
+        B, Hq, Hkv, Lq, Lk, BS = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
+        Opart = T.match_buffer(o_h, (BS, Hq, Lq, D), f32)
+        Mpart = T.match_buffer(m_h, (BS, Hq, Lq), f32)
+        Lpart = T.match_buffer(l_h, (BS, Hq, Lq), f32)
+
+        for b, hk, rt, s in T.grid(B, Hkv, T.ceildiv(group * Lq, BQ), BS // B):
+            with T.sblock("tile"):
+                vb, vhk, vt, vs = T.axis.remap("SSSS", [b, hk, rt, s])
+                T.reads()
+                T.writes()
+                acc = T.sblock_alloc_buffer((BQ, D), f32)
+                m = T.sblock_alloc_buffer((BQ,), f32)
+                lsum = T.sblock_alloc_buffer((BQ,), f32)
+                # c: batch, first head, kv head, first row, keys [begin, end)
+                c = T.sblock_alloc_buffer((6,), "int64", scope="local")
+                pin("coords", c, vb, vhk * group, vhk, vt * BQ,
+                    vs * split_size(Lk, BS // B, BK),
+                    T.min((vs + 1) * split_size(Lk, BS // B, BK), Lk))
+                attend(Q, K, V, Q, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
+                       scale)
+                store_o("part_store", Opart, acc, vs * B + c[0], c[1], c[3], Lq, BQ, D,
+                        T.float32(1), f32, rows)
+                for i in T.serial(BQ):
+                    with T.sblock("stats_store"):
+                        vi = T.axis.remap("S", [i])
+                        if c[3] + vi < rows.count(Lq):
+                            Mpart[vs * B + c[0], rows.head(c[1], c[3] + vi, Lq),
+                                  rows.query(c[3] + vi, Lq)] = m[vi]
+                            Lpart[vs * B + c[0], rows.head(c[1], c[3] + vi, Lq),
+                                  rows.query(c[3] + vi, Lq)] = lsum[vi]
+
+    return flash_fwd_split
+
+
+def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):
+    """Return ``flash_fwd_merge(o_part, m_part, l_part, sinks, o, lse)``: combine the key
+    splits of :func:`flash_forward_split` in split order (and the sink, if any).
+
+    ``M = max(m_s, sink)``, ``w_s = exp2(m_s - M)``, ``L = sum l_s w_s (+ exp2(sink - M))``,
+    ``O = sum o_s w_s / L``, ``LSE = (M + log2 L) ln 2``. Named block: ``merge`` (one output
+    element; it reads the NS splits in a serial loop).
+    """
+    D = head_dim
+    f32 = "float32"
+
+    @T.prim_func(s_tir=True)
+    def flash_fwd_merge(o_part_h: T.handle, m_part_h: T.handle, l_part_h: T.handle,
+                        sinks_h: T.handle, o_h: T.handle, lse_h: T.handle):
+        T.func_attr({"global_symbol": "flash_fwd_merge", "tirx.noalias": True})
+        B, Hq, Lq, BS = T.int64(), T.int64(), T.int64(), T.int64()
+        Opart = T.match_buffer(o_part_h, (BS, Hq, Lq, D), f32)
+        Mpart = T.match_buffer(m_part_h, (BS, Hq, Lq), f32)
+        Lpart = T.match_buffer(l_part_h, (BS, Hq, Lq), f32)
+        Sinks = T.match_buffer(sinks_h, (Hq,), f32)
+        O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype)
+        LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
+
+        for b, h, i, d in T.grid(B, Hq, Lq, D):
+            with T.sblock("merge"):
+                vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, d])
+                T.reads(Opart[:, vh, vi, vd], Mpart[:, vh, vi], Lpart[:, vh, vi], Sinks[vh])
+                T.writes(O[vb, vh, vi, vd], LSE[vb, vh, vi])
+                red = T.sblock_alloc_buffer((3,), f32, scope="local")
+                red[0] = Sinks[vh] * T.float32(LOG2E) if sinks else neg_inf()
+                for s in T.serial(BS // B):
+                    red[0] = T.max(red[0], Mpart[s * B + vb, vh, vi])
+                red[1] = T.float32(0)
+                if sinks:
+                    if Sinks[vh] != neg_inf():
+                        red[1] = exp2_clamped(Sinks[vh] * T.float32(LOG2E) - red[0])
+                red[2] = T.float32(0)
+                for s in T.serial(BS // B):
+                    # a split that saw no key has m = -inf and contributes nothing
+                    if Mpart[s * B + vb, vh, vi] != neg_inf():
+                        red[1] = red[1] + Lpart[s * B + vb, vh, vi] * exp2_clamped(
+                            Mpart[s * B + vb, vh, vi] - red[0])
+                        red[2] = red[2] + Opart[s * B + vb, vh, vi, vd] * exp2_clamped(
+                            Mpart[s * B + vb, vh, vi] - red[0])
+                O[vb, vh, vi, vd] = T.cast(_normalised(red[2], red[1]), dtype)
+                if vd == 0:
+                    LSE[vb, vh, vi] = _lse(red[0], red[1])
+
+    return flash_fwd_merge

@@ -1,0 +1,147 @@
+"""The short-query ("vector") path: Lq <= ops.SHORT_QUERY_MAX takes packed-row, key-split
+kernels. Values and gradients against float64, with the number of key splits forced so that
+splits (including empty ones) and their merge are exercised on every device."""
+
+import pytest
+import torch
+from checks import check_against_reference, make_inputs
+from conftest import DEVICES
+
+from tvm_flash import attention, ops
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CAUSAL = ["none", "top-left", "bottom-right"]
+# (head_dim, query heads, key/value heads): MHA, GQA 4:1, MQA 8:1
+SHAPES = [(64, 4, 4), (64, 8, 2), (128, 8, 1)]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernels launched, in order."""
+    seen = []
+    real = ops._launch
+
+    def record(op, meta, *args):
+        seen.append(op)
+        return real(op, meta, *args)
+
+    monkeypatch.setattr(ops, "_launch", record)
+    return seen
+
+
+def force_splits(monkeypatch, n):
+    monkeypatch.setattr(ops, "num_splits", lambda q, k: n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d,hq,hkv", SHAPES)
+@pytest.mark.parametrize("lq", [1, 3, 8])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_short_query_matches_reference(dtype, causal, lq, d, hq, hkv, device, monkeypatch,
+                                       launches):
+    force_splits(monkeypatch, 3)  # 700 keys -> splits of 256, 256 and 188 keys
+    q, k, v, do = make_inputs(2, hq, hkv, lq, 700, d, dtype, device)
+    check_against_reference(q, k, v, do, causal)
+    assert launches == ["fwd_split", "fwd_merge", "bwd_pre", "dq_split", "dq_merge",
+                        "dkv_packed"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("splits", [1, 2, 8])
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_split_counts_including_empty_splits(causal, splits, device, monkeypatch):
+    """100 keys in 8 splits of 64: splits 2..7 hold no key and must add nothing."""
+    force_splits(monkeypatch, splits)
+    q, k, v, do = make_inputs(1, 4, 2, 5, 100, 64, torch.float16, device)
+    check_against_reference(q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("lq", [1, 8])
+def test_short_query_with_sinks(lq, causal, device, monkeypatch):
+    force_splits(monkeypatch, 4)
+    q, k, v, do = make_inputs(2, 8, 2, lq, 300, 64, torch.bfloat16, device)
+    sinks = torch.randn(8, device=device)
+    check_against_reference(q, k, v, do, causal, sinks=sinks)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_and_tiled_paths_agree(device, monkeypatch):
+    q, k, v, _ = make_inputs(2, 8, 2, 6, 500, 64, torch.float32, device)
+    short = attention(q, k, v, is_causal=True, causal_alignment="bottom-right",
+                      enable_gqa=True)
+    monkeypatch.setattr(ops, "SHORT_QUERY_MAX", 0)
+    tiled = attention(q, k, v, is_causal=True, causal_alignment="bottom-right",
+                      enable_gqa=True)
+    torch.testing.assert_close(short, tiled, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_query_backward_is_deterministic(device, monkeypatch):
+    force_splits(monkeypatch, 5)
+    q, k, v, do = make_inputs(2, 8, 2, 4, 1025, 64, torch.bfloat16, device)
+
+    def grads():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        attention(*leaves, enable_gqa=True).backward(do)
+        return [t.grad for t in leaves]
+
+    for a, b in zip(grads(), grads(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiled_path_beyond_the_threshold(device, launches):
+    q, k, v, do = make_inputs(1, 2, 2, ops.SHORT_QUERY_MAX + 1, 40, 64, torch.float32, device)
+    check_against_reference(q, k, v, do, "none")
+    assert launches == ["fwd", "bwd_pre", "dq", "dkv"]
+
+
+def test_num_splits_fills_the_device_but_keeps_splits_long():
+    q = torch.empty(1, 32, 1, 128)
+    k = torch.empty(1, 8, 128 * 1024, 128)
+    n = ops.num_splits(q, k)
+    assert 1 <= n <= 128 * 1024 // ops.KEYS_PER_SPLIT_MIN
+    assert ops.num_splits(q, torch.empty(1, 8, 300, 128)) <= 2  # 300 keys: at most 2 splits
+    assert ops.num_splits(torch.empty(64, 32, 8, 128), k) == 1  # already enough blocks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", ["none", "bottom-right"])
+def test_raw_short_query_kernels_overwrite_poisoned_outputs(causal, device):
+    """Call the short-query kernels directly with NaN-filled partials and outputs (3 splits,
+    the last one empty): every element is written."""
+    from tvm_flash.artifacts import kernel
+    from tvm_flash.build import target_tag_for_device
+    from tvm_flash.key import KernelKey
+
+    b, hq, hkv, lq, lk, d, ns = 2, 4, 2, 3, 70, 64, 3
+    q, k, v, do = make_inputs(b, hq, hkv, lq, lk, d, torch.float32, device)
+
+    def poisoned(*shape):
+        return torch.full(shape, float("nan"), device=device)
+
+    meta = {"head_dim": d, "dtype": "float32", "target": target_tag_for_device(q.device)}
+    tiled = {**meta, "causal": causal, "group": hq // hkv}
+    row_wise = {**meta, "causal": "none", "group": 1}
+    o_part, m_part, l_part = (poisoned(ns * b, hq, lq, d), poisoned(ns * b, hq, lq),
+                              poisoned(ns * b, hq, lq))
+    out, lse = poisoned(b, hq, lq, d), poisoned(b, hq, lq)
+    kernel(KernelKey("fwd_split", **tiled))(q, k, v, o_part, m_part, l_part, 0.125)
+    kernel(KernelKey("fwd_merge", **row_wise))(o_part, m_part, l_part, poisoned(hq), out, lse)
+    delta, dq_part = poisoned(b, hq, lq), poisoned(ns * b, hq, lq, d)
+    dq, dk, dv = poisoned(*q.shape), poisoned(*k.shape), poisoned(*v.shape)
+    kernel(KernelKey("bwd_pre", **row_wise))(out, do, delta)
+    kernel(KernelKey("dq_split", **tiled))(q, k, v, do, lse, delta, dq_part, 0.125)
+    kernel(KernelKey("dq_merge", **row_wise))(dq_part, dq, 0.125)
+    kernel(KernelKey("dkv_packed", **tiled))(q, k, v, do, lse, delta, dk, dv, 0.125)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    for name, t in (("o_part", o_part), ("m_part", m_part), ("l_part", l_part), ("out", out),
+                    ("lse", lse), ("dq_part", dq_part), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"{name} has unwritten (NaN) elements"
+    ref = attention(q, k, v, scale=0.125, is_causal=causal != "none",
+                    causal_alignment="bottom-right", enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
