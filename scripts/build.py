@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import itertools
+import multiprocessing
 import pathlib
 import sys
 import time
@@ -138,7 +139,10 @@ def main(argv=None) -> int:
           f"logs, {len(keys) - len(tuned)} with the default schedule: no matching log)",
           flush=True)
     entries, failures, start = [], [], time.time()
-    with cf.ProcessPoolExecutor(max_workers=args.jobs) as pool:
+    # spawned, not forked: a worker forked from a process that touched the CUDA runtime
+    # (a GPU machine) fails with an initialization error
+    spawn = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(max_workers=args.jobs, mp_context=spawn) as pool:
         futures = {pool.submit(_build_one, k, out, tuned.get(k)): k for k in keys}
         for i, fut in enumerate(cf.as_completed(futures), 1):
             key = futures[fut]

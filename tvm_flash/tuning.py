@@ -57,10 +57,18 @@ def log_dir(root: str | os.PathLike, key: KernelKey) -> pathlib.Path:
     return pathlib.Path(root) / key.target / key.name
 
 
+CUDA_LIMITS = {"max_num_threads": 1024, "max_threads_per_block": 1024, "thread_warp_size": 32,
+               "registers_per_block": 65536, "max_shared_memory_per_block": 100 * 1024}
+
+
 def tuning_target(tag: str) -> tvm.target.Target:
     """The target to measure on: the build target, with the core count MetaSchedule wants."""
     if tag == "llvm":
         return tvm.target.Target({"kind": "llvm", "num-cores": os.cpu_count() or 1})
+    if target_kind(tag) == "cuda":
+        # the limits MetaSchedule's VerifyGPUCode checks candidates against (a cuda target
+        # made from kind + arch has none); shared memory: the budget our schedules size for
+        return tvm.target.Target({**make_target(tag).export(), **CUDA_LIMITS})
     return make_target(tag)
 
 
@@ -112,6 +120,12 @@ def design_spaces(key: KernelKey, tile: TileConfig):
     return spaces
 
 
+def space_size(key: KernelKey) -> int:
+    """Distinct candidates of one tile's design spaces (thread grids x sampled unroll)."""
+    space = schedules.for_target(target_kind(key.target)).space
+    return len(space.get("tc", (None,))) * len(space.get("unroll", (0,)))
+
+
 def _space_generator(key: KernelKey, tile: TileConfig):
     from tvm.s_tir import meta_schedule as ms
 
@@ -157,7 +171,9 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
     directory = log_dir(root, key)
     directory.mkdir(parents=True, exist_ok=True)
     tiles = sched.tiles(key)[:max_tiles]
-    per_tile = max(1, trials // len(tiles))
+    # never ask for more trials than a tile's space holds: MetaSchedule's search would then
+    # keep drawing no new candidate, forever
+    per_tile = max(1, min(trials // len(tiles), space_size(key)))
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         work_workloads, work_records = tmp / "database_workload.json", tmp / RECORDS
