@@ -1,4 +1,4 @@
-"""The short-query ("vector") path: Lq <= ops.SHORT_QUERY_MAX takes packed-row, key-split
+"""The short-query ("vector") path: Lq <= ops.SHORT_QUERY_MAX (12) takes packed-row, key-split
 kernels. Values and gradients against float64, with the number of key splits forced so that
 splits (including empty ones) and their merge are exercised on every device."""
 
@@ -59,7 +59,7 @@ def test_split_counts_including_empty_splits(causal, splits, device, monkeypatch
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("lq", [1, 8])
+@pytest.mark.parametrize("lq", [1, 8, 12])
 def test_short_query_with_sinks(lq, causal, device, monkeypatch):
     force_splits(monkeypatch, 4)
     q, k, v, do = make_inputs(2, 8, 2, lq, 300, 64, torch.bfloat16, device)

@@ -49,10 +49,11 @@ def _row_wise(meta: dict) -> dict:
     return {**meta, "causal": "none", "group": 1}
 
 
-SHORT_QUERY_MAX = 8
+SHORT_QUERY_MAX = 12
 """Query lengths up to this take the short-query ("vector") kernels: tiles pack the queries
 of a GQA group (8 rows) and the keys are split over blocks. Longer ones take the tiled kernels.
-Measured crossover: docs/perf.md."""
+Set from the H200 crossover (docs/perf.md, "Short queries"): the short path is >= 2x faster
+through Lq = 12 at batch 1 and 8, and only breaks even with the tiled kernels at Lq = 16."""
 KEYS_PER_SPLIT_MIN = 256
 """A key split is never shorter than this (fewer, longer splits merge cheaper)."""
 _PACKED_ROWS = 8  # rows of a short-query tile (schedules pick 8; only used to size the grid)
