@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                    help="how many of the largest fitting tiles to search (trials split evenly)")
     p.add_argument("--time-budget", type=_seconds, default=None,
                    help="start no new kernel after this long (e.g. 20m)")
-    p.add_argument("--keep-top", type=int, default=4, help="records kept per workload")
+    p.add_argument("--keep-top", type=int, default=2, help="records kept per workload")
     p.add_argument("--logs", default=str(ROOT / "tuning_logs"), help="tuning log root")
     p.add_argument("--dry-run", action="store_true",
                    help="generate and build every design space; measure nothing")

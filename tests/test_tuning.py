@@ -29,8 +29,8 @@ def logs(tmp_path_factory):
 def test_tuning_writes_small_metaschedule_logs(logs):
     directory = tuning.log_dir(logs, KEY)
     names = {p.name for p in directory.iterdir()}
-    assert names == {"summary.json", "database_tuning_record.json", "database_workload.json.gz"}
-    assert sum(p.stat().st_size for p in directory.iterdir()) < 64 * 1024
+    assert names == {"summary.json", "database_tuning_record.json", "workloads.json"}
+    assert sum(p.stat().st_size for p in directory.iterdir()) < 32 * 1024
     summary = json.loads((directory / "summary.json").read_text())
     assert summary["target"] == "llvm" and summary["key"] == KEY.name
     assert summary["best"]["tile"] == [32, 32]
@@ -45,6 +45,17 @@ def test_tuning_resumes_from_its_log(logs, tmp_path):
                  .splitlines())
     summary = tuning.tune(KEY, root, trials=2, shape=SHAPE)
     assert summary["measured"] >= before
+
+
+def test_resume_refuses_a_log_whose_workload_changed(logs, tmp_path):
+    root = tmp_path / "logs"
+    shutil.copytree(logs, root)
+    index_path = tuning.log_dir(root, KEY) / "workloads.json"
+    index = json.loads(index_path.read_text())
+    index[0]["shash"] = "0"  # as if the kernel source had changed since
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(tuning.TuningLogError, match="no longer produces the workload"):
+        tuning.tune(KEY, root, trials=2, shape=SHAPE)
 
 
 def test_build_from_logs_is_deterministic_and_runs(logs, tmp_path):

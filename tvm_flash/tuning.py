@@ -10,8 +10,9 @@ target's shared memory or threads before they are measured.
 
 A log lives in ``tuning_logs/<target-tag>/<kernel-key>/``: MetaSchedule's
 ``database_tuning_record.json`` (pruned to the best few records per workload),
-``database_workload.json.gz`` (the workloads, gzip-compressed: one kernel's JSON is ~240 KB)
-and ``summary.json`` (the best choice, its time, trials, date, device, versions).
+``workloads.json`` (which tile each record's workload is, and its structural hash: the
+workload IR itself, ~300 KB per tile, is regenerated from the key when a run resumes) and
+``summary.json`` (the best choice, its time, trials, date, device, versions).
 ``scripts/build.py`` uses ``summary.json`` after checking the whole log (:func:`load_tuned`).
 
 Lengths: kernels take every length symbolically; tuning measures one representative shape per
@@ -22,7 +23,6 @@ Lq = Lk = 4096; CPU: B = 1, 4 heads, 256), which every runtime length uses.
 from __future__ import annotations
 
 import datetime
-import gzip
 import hashlib
 import json
 import logging
@@ -46,7 +46,10 @@ BUCKETS = {"any": {"gpu": {"B": 2, "Hq": 16, "L": 4096}, "cpu": {"B": 1, "Hq": 4
 DECISIONS_ANNOTATION = "tvm_flash.decisions"
 SUMMARY = "summary.json"
 RECORDS = "database_tuning_record.json"
-WORKLOADS = "database_workload.json.gz"
+WORKLOAD_INDEX = "workloads.json"
+"""The log keeps its workloads as ``[{"tile": [bq, bk], "shash": ...}]`` in database order,
+not as IR: a workload is a function of the key, tile and bucket shape, ~300 KB of JSON each,
+and is regenerated (and checked against its structural hash) when a tuning run resumes."""
 
 
 class TuningLogError(RuntimeError):
@@ -161,7 +164,7 @@ def _mean_secs(run_secs) -> float:
 
 
 def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int = 2,
-         keep_top: int = 4, shape: dict | None = None, seed: int = 0, log=print) -> dict:
+         keep_top: int = 2, shape: dict | None = None, seed: int = 0, log=print) -> dict:
     """Tune ``key`` on this machine with MetaSchedule (xgboost cost model, evolutionary
     search), resuming from the log already under ``root``; write the log and return its
     summary."""
@@ -177,8 +180,8 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         work_workloads, work_records = tmp / "database_workload.json", tmp / RECORDS
-        if (directory / WORKLOADS).exists():  # resume
-            work_workloads.write_bytes(gzip.decompress((directory / WORKLOADS).read_bytes()))
+        if (directory / RECORDS).exists():  # resume
+            work_workloads.write_text(_regenerate_workloads(directory, key, shape))
             shutil.copy(directory / RECORDS, work_records)
         database = ms.database.JSONDatabase(str(work_workloads), str(work_records))
         for tile in tiles:
@@ -194,8 +197,8 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
             raise TuningLogError(f"{key.name}: no candidate was measured successfully")
         _prune(work_records, keep_top)
         shutil.copy(work_records, directory / RECORDS)
-        (directory / WORKLOADS).write_bytes(gzip.compress(work_workloads.read_bytes(), 9,
-                                                          mtime=0))
+        index = _workload_index(work_workloads, key, shape)
+        (directory / WORKLOAD_INDEX).write_text(json.dumps(index, indent=1) + "\n")
     summary = {"key": key.name, "target": key.target, "bucket": "any",
                "best": {**decisions_of(best.trace), "run_us": _mean_secs(best.run_secs) * 1e6},
                "measured": len(records), "date": datetime.date.today().isoformat(),
@@ -204,6 +207,42 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
     (directory / SUMMARY).write_text(json.dumps(summary, indent=1, sort_keys=True))
     log(f"{key.name}: best {summary['best']} of {len(records)} measured candidates")
     return summary
+
+
+def _workload_index(path: pathlib.Path, key: KernelKey, shape: dict | None) -> list[dict]:
+    """Which tile each workload of a database file is, by structural hash."""
+    from tvm.s_tir import meta_schedule as ms
+
+    sched = schedules.for_target(target_kind(key.target))
+    by_hash = {ms.database.Workload(workload(key, tile, shape)).as_json()[0]: tile
+               for tile in sched.tiles(key)}
+    index = []
+    for line in path.read_text().splitlines():
+        shash = json.loads(line)[0]
+        tile = by_hash[shash]
+        index.append({"tile": [tile.block_q, tile.block_k], "shash": shash})
+    return index
+
+
+def _regenerate_workloads(directory: pathlib.Path, key: KernelKey, shape: dict | None) -> str:
+    """The database workload file of a log, rebuilt from its index; refuses a log whose
+    workloads the current kernel source no longer produces."""
+    from tvm.s_tir import meta_schedule as ms
+
+    try:
+        index = json.loads((directory / WORKLOAD_INDEX).read_text())
+        tiles = [(TileConfig(*entry["tile"]), entry["shash"]) for entry in index]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise TuningLogError(f"{directory}: corrupt workload index ({err!r})") from err
+    lines = []
+    for tile, shash in tiles:
+        entry = ms.database.Workload(workload(key, tile, shape)).as_json()
+        if entry[0] != shash:
+            raise TuningLogError(f"{directory}: the kernel source (or the bucket shape) no "
+                                 f"longer produces the workload tuned for tile {tile}; retune "
+                                 "into a fresh log")
+        lines.append(json.dumps(list(entry)))
+    return "".join(line + "\n" for line in lines)
 
 
 def _drop_unnamed_log_handlers() -> None:
