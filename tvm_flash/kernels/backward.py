@@ -131,8 +131,7 @@ def _dq_tile(head_dim: int, dtype: str, causal: str, tile: TileConfig, rows: Row
                 vi, vd = T.axis.remap("SS", [i, d])
                 acc[vi, vd] = T.float32(0)
 
-        q_last = T.min(Lq - 1, r0 + BQ - 1) if rows.packed else T.min(r0 + BQ, Lq) - 1
-        for kt in T.serial(num_key_tiles(causal, q_last, Lq, Lk, BK, k_begin, k_end)):
+        for kt in T.serial(num_key_tiles(causal, r0, BQ, Lq, Lk, BK, k_begin, k_end)):
             k0: T.let[T.int64] = k_begin + kt * BK
             m.load_k("K_load", Ks, K, vb, hk, k0, k_end, BK, D, dtype)
             m.load_v("V_load", Vs, V, vb, hk, k0, k_end, BK, D, dtype)

@@ -82,13 +82,6 @@ def exp2_clamped(x):
     return T.exp2(T.if_then_else(x > T.float32(0), T.float32(0), x))
 
 
-def key_end(causal: str, q_last, lq, lk):
-    """One past the last key visible to any query up to position ``q_last``."""
-    if causal == "none":
-        return lk
-    return T.min(lk, T.max(q_last + causal_offset(causal, lq, lk) + 1, 0))
-
-
 def split_size(lk, num_splits, block_k: int):
     """Keys per split when ``lk`` keys are cut into ``num_splits`` splits of whole key tiles;
     split ``s`` holds keys ``[s * size, min((s + 1) * size, lk))`` (the last ones may be
@@ -112,20 +105,19 @@ def visible(causal: str, row, col, lq, lk, end=None):
     return tirx.all(in_range, col <= row + causal_offset(causal, lq, lk))
 
 
-def num_key_tiles(causal: str, q_last, lq, lk, block_k: int, begin=None, end=None):
-    """Key tiles from ``begin`` (default 0) to ``end`` (default ``lk``) that hold at least one
-    key visible to a query up to position ``q_last``.
+def num_key_tiles(causal: str, r0, block_q: int, lq, lk, block_k: int, begin, end):
+    """Key tiles of ``[begin, end)`` that hold at least one key visible to a query tile whose
+    rows start at ``r0``.
 
-    Tiles past the causal diagonal are skipped entirely, not masked.
+    Tiles past the causal diagonal are skipped entirely, not masked. The tile's last query is
+    at most ``min(r0 + block_q, lq) - 1``; that bound also holds for packed rows (row ``r`` is
+    query ``r % lq <= r``).
     """
-    if begin is None:
-        all_tiles = T.ceildiv(lk, block_k)
-        if causal == "none":
-            return all_tiles
-        last_col = q_last + causal_offset(causal, lq, lk)
-        return T.min(all_tiles, T.ceildiv(T.max(last_col + 1, 0), block_k))
-    stop = T.min(end, key_end(causal, q_last, lq, lk))
-    return T.ceildiv(T.max(stop - begin, 0), block_k)
+    stop = lk
+    if causal != "none":
+        q_last = T.min(r0 + block_q, lq) - 1
+        stop = T.min(lk, T.max(q_last + causal_offset(causal, lq, lk) + 1, 0))
+    return T.ceildiv(T.max(T.min(end, stop) - begin, 0), block_k)
 
 
 def first_query_tile(causal: str, k0, lq, lk, block_q: int, rows: Rows = TILED):

@@ -81,8 +81,7 @@ def _attend(head_dim: int, dtype: str, causal: str, tile: TileConfig, sinks: boo
                     m[vi] = neg_inf()
                     lsum[vi] = T.float32(0)
 
-        q_last = T.min(Lq - 1, r0 + BQ - 1) if rows.packed else T.min(r0 + BQ, Lq) - 1
-        for kt in T.serial(num_key_tiles(causal, q_last, Lq, Lk, BK, k_begin, k_end)):
+        for kt in T.serial(num_key_tiles(causal, r0, BQ, Lq, Lk, BK, k_begin, k_end)):
             k0: T.let[T.int64] = k_begin + kt * BK
             load_k("K_load", Ks, K, vb, hk, k0, k_end, BK, D, dtype)
             load_v("V_load", Vs, V, vb, hk, k0, k_end, BK, D, dtype)
