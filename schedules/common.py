@@ -4,6 +4,7 @@ factories in ``tvm_flash.kernels`` give them."""
 from __future__ import annotations
 
 from tvm import s_tir
+from tvm.s_tir.schedule import _ffi_api as schedule_ffi
 
 
 def has_block(sch: s_tir.Schedule, name: str) -> bool:
@@ -42,7 +43,18 @@ def pad_rows(sch: s_tir.Schedule, producers: dict[str, str], names, pad: int) ->
         regions = sch.get(sch.get_sblock(block)).writes
         idx = [r.source.name for r in regions].index(buf)
         cols = int(regions[idx].source.shape[1])
-        sch.storage_align(block, idx, axis=0, factor=cols, offset=pad)
+        align_rows(sch, sch.get_sblock(block), idx, cols, pad)
+
+
+def align_rows(sch: s_tir.Schedule, block, index: int, cols: int, pad: int) -> None:
+    """What ``storage_align(block, index, axis=0, factor=cols, offset=pad)`` does, written as
+    the block annotation it sets: TVM 0.27's ``storage_align`` edits the block in place, which
+    changes every schedule sharing the IR (MetaSchedule's design spaces start from copies)."""
+    stmt = sch.get(block)
+    rules = [list(r) for r in stmt.annotations.get("buffer_dim_align", [])]
+    rules = [r for r in rules if r[0] != index] + [[index, 0, cols, pad]]
+    # Schedule.annotate's type check refuses nested lists; the primitive itself takes them
+    schedule_ffi.ScheduleAnnotate(sch, block, "buffer_dim_align", rules)
 
 
 UNROLL_ANNOTATION = "meta_schedule.unroll_explicit"

@@ -7,8 +7,10 @@ micro-tile of its output; row statistics (max, sum, LSE, Delta) sit in shared me
 thread per row. The tile is the largest candidate whose on-chip footprint fits the target's
 budget; a kernel that fits none is refused with the bytes it would need.
 
-Tensor cores / simdgroup matrices, asynchronous copies and swizzled layouts are the next step
-and slot in here, block by block, without touching the kernels.
+Where the target has them (CUDA, fp16/bf16, D <= 128) the GEMM blocks run on tensor cores
+instead (``tensor_core.gemm``): the threads are then bound as (warp, lane), every other block
+keeps its thread-to-element map, and the GEMM products go to shared memory for the updates.
+Simdgroup matrices (Metal), asynchronous copies and swizzled layouts slot in the same way.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from tvm import s_tir
 from tvm_flash.kernels.common import TileConfig
 from tvm_flash.key import MERGE_OPS, PACKED_BASE, KernelKey
 
+from . import tensor_core
 from .common import apply_unroll, has_block, pad_rows, set_scopes
 
 THREADS = 128
-ACC_BUDGET = 64  # fp32 accumulator elements per thread
+ACC_BUDGET = 128  # fp32 accumulator elements per thread
 PAD = 4  # elements of padding per shared row
 
 
@@ -37,6 +40,7 @@ class GpuParams:
     max_head_dim: int = 256  # larger head dims are refused (see ``why_max_head_dim``)
     why_max_head_dim: str = ""
     bf16_bytes: int = 2  # on-chip bytes of a bf16 element (4 where TVM legalizes bf16 to f32)
+    tensor_cores: int = 0  # on-chip bytes a tensor-core block may use; 0: no tensor cores
 
 _ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 _CANDIDATES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16), (16, 8), (8, 16))
@@ -47,35 +51,75 @@ _SHORT_CANDIDATES = ((8, 128), (8, 64), (8, 32), (8, 16))
 # buffer -> the block that first writes it, per kernel
 _PRODUCERS = {
     "fwd": {"Qs": "Q_load", "Ks": "K_load", "Vs": "V_load", "S": "S_gemm", "P": "P",
-            "acc": "acc_init", "m": "stats_init", "lsum": "stats_init", "m_new": "row_max",
-            "l_new": "row_sum", "alpha": "rescale"},
+            "PV": "O_gemm", "acc": "acc_init", "m": "stats_init", "lsum": "stats_init",
+            "m_new": "row_max", "l_new": "row_sum", "alpha": "rescale"},
     "dq": {"Qs": "Q_load", "dOs": "dO_load", "Ks": "K_load", "Vs": "V_load", "S": "S_gemm",
-           "dP": "dP_gemm", "dS": "dS", "lse_s": "row_load", "delta_s": "row_load",
-           "acc": "acc_init"},
+           "dP": "dP_gemm", "dS": "dS", "dQp": "dQ_gemm", "lse_s": "row_load",
+           "delta_s": "row_load", "acc": "acc_init"},
     "dkv": {"Ks": "K_load", "Vs": "V_load", "Qs": "Q_load", "dOs": "dO_load", "St": "St_gemm",
-            "Pt": "P", "dPt": "dPt_gemm", "dSt": "dS", "lse_s": "row_load",
+            "Pt": "P", "dPt": "dPt_gemm", "dSt": "dS", "dVp": "dV_gemm", "dKp": "dK_gemm",
+            "lse_s": "row_load",
             "delta_s": "row_load", "dk_acc": "acc_init", "dv_acc": "acc_init"},
 }
 # blocks of each kernel by how they are mapped to threads
 _ELEMENTWISE = ("Q_load", "K_load", "V_load", "dO_load", "row_load", "stats_init", "P",
-                "rescale", "stats_update", "dS", "lse_store", "stats_store")
+                "rescale", "stats_update", "lsum_update", "dS", "lse_store", "stats_store")
 _ROW_REDUCTIONS = ("row_max", "row_sum")
 _SHARED_GEMMS = ("S_gemm", "dP_gemm", "St_gemm", "dPt_gemm")
-_REGISTER_TILES = ("acc_init", "O_gemm", "O_store", "dQ_gemm", "dQ_store", "dV_gemm",
-                   "dK_gemm", "dK_store", "dV_store", "part_store")
+# GEMMs whose product only feeds a running sum (SIMT: in registers, mapped like the sum)
+_PART_GEMMS = ("O_gemm", "dQ_gemm", "dV_gemm", "dK_gemm")
+_PARTS = ("PV", "dQp", "dVp", "dKp")
+_REGISTER_TILES = ("acc_init", "O_update", "O_store", "dQ_update", "dQ_store", "dV_update",
+                   "dK_update", "dK_store", "dV_store", "part_store")
 _REGISTERS = ("acc", "dk_acc", "dv_acc")
 _PADDED = ("Qs", "Ks", "Vs", "dOs", "S", "P", "dP", "dS", "St", "Pt", "dPt", "dSt")
+_FLOAT32 = ("S", "dP", "St", "dPt") + _PARTS  # on-chip float32 tiles; the rest: input dtype
+
+# Tensor cores (fp16/bf16 on CUDA): every GEMM's rows split over the 4 warps in 16-row bands
+_TC_CANDIDATES = {"fwd": ((64, 64), (64, 32)), "dq": ((64, 64), (64, 32)),
+                  "dkv": ((64, 64), (32, 64))}
+_TC_MAX_HEAD_DIM = 128  # above it the running sums and fragments outgrow the registers
+_TC_PAD = 8  # 16-bit rows: a WMMA row stride must be a multiple of 8 elements
+# Operand tiles a kernel loads once, before its loop, and then reads only through tensor-core
+# fragments. TVM's dynamic shared-memory planner does not see fragment accesses, takes such a
+# tile for dead after its load and lets later tiles reuse its memory; static shared memory
+# (at most 48 KiB, not merged) keeps it.
+_STATIC = {"fwd": ("Qs",), "dq": ("Qs", "dOs"), "dkv": ("Ks", "Vs")}
 
 
 def _footprint(op: str, d: int, esize: int, bq: int, bk: int) -> tuple[int, int]:
     """(shared-memory bytes, fp32 accumulator elements per thread) of a tile choice."""
     rows = {"fwd": bq + 2 * bk, "dq": 2 * bq + 2 * bk, "dkv": 2 * bq + 2 * bk}[op]
     smem = rows * (d + PAD) * esize
-    smem += {"fwd": 2 * bq * (bk + PAD) * 4, "dq": 3 * bq * (bk + PAD) * 4,
-             "dkv": 4 * bk * (bq + PAD) * 4}[op]
+    # score-shaped tiles: float32 S (dP) and P (dS) in the input dtype
+    smem += {"fwd": bq * (bk + PAD) * (4 + esize), "dq": bq * (bk + PAD) * (8 + esize),
+             "dkv": bk * (bq + PAD) * (8 + 2 * esize)}[op]
     smem += 5 * bq * 4
-    acc = {"fwd": bq * d, "dq": bq * d, "dkv": 2 * bk * d}[op] // THREADS
+    # running sums plus the product of the GEMM that feeds them, both in registers
+    acc = {"fwd": 2 * bq * d, "dq": 2 * bq * d, "dkv": 3 * bk * d}[op] // THREADS
     return smem, acc
+
+
+def _tc_footprint(op: str, d: int, bq: int, bk: int) -> int:
+    """Shared-memory bytes of a tensor-core tile: 16-bit operands, float32 S-type tiles and
+    GEMM products, all with padded rows."""
+    rows16 = {"fwd": bq + 2 * bk, "dq": 2 * bq + 2 * bk, "dkv": 2 * bq + 2 * bk}[op]
+    s_rows, s_cols = (bk, bq) if op == "dkv" else (bq, bk)
+    n_s, n_p, n_parts = {"fwd": (1, 1, 1), "dq": (2, 1, 1), "dkv": (2, 2, 2)}[op]
+    return (rows16 * (d + _TC_PAD) * 2 + n_s * s_rows * (s_cols + PAD) * 4
+            + n_p * s_rows * (s_cols + _TC_PAD) * 2 + n_parts * s_rows * (d + PAD) * 4
+            + 5 * bq * 4)
+
+
+def _tensor_core_tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
+    """The tensor-core tiles that fit, largest first; empty where tensor cores do not apply
+    (fp32, short-query and merge kernels, head dims above 128 or not a multiple of 16)."""
+    if (not params.tensor_cores or key.dtype not in tensor_core.DTYPES
+            or key.op not in _TC_CANDIDATES or key.head_dim > _TC_MAX_HEAD_DIM
+            or key.head_dim % tensor_core.FRAG):
+        return []
+    return [TileConfig(bq, bk) for bq, bk in _TC_CANDIDATES[key.op]
+            if _tc_footprint(key.op, key.head_dim, bq, bk) <= params.tensor_cores]
 
 
 def tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
@@ -85,6 +129,9 @@ def tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
                          f"{params.max_head_dim}): {params.why_max_head_dim}")
     if key.op in MERGE_OPS:
         return [TileConfig(THREADS, THREADS)]
+    tc_tiles = _tensor_core_tiles(key, params)
+    if tc_tiles:
+        return tc_tiles
     esize = _element_bytes(key.dtype, params)
     op = PACKED_BASE.get(key.op, key.op)
     fits = []
@@ -145,25 +192,41 @@ def _thread_grid(rows: int, cols: int, tc: int = DEFAULTS["tc"]) -> tuple[int, i
     return tr, tc
 
 
-def _spread(sch: s_tir.Schedule, name: str) -> None:
+def _bind_threads(sch: s_tir.Schedule, loop, warps: bool) -> None:
+    """Bind a loop of THREADS iterations to the threads: ``threadIdx.x`` alone, or with
+    ``warps`` as (threadIdx.y, threadIdx.x) = (warp, lane), as warp-level tensor-core
+    operations need (the same thread gets the same iteration either way)."""
+    if warps:
+        ty, tx = sch.split(loop, [THREADS // tensor_core.WARP_SIZE, tensor_core.WARP_SIZE])
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+    else:
+        sch.bind(loop, "threadIdx.x")
+
+
+def _spread(sch: s_tir.Schedule, name: str, warps: bool = False) -> None:
     """Elementwise block: flatten its loops and deal iterations to threads round-robin."""
     block = sch.get_sblock(name)
     fused = sch.fuse(*_own_loops(sch, block))
-    _, tx = sch.split(fused, [None, THREADS])
-    sch.bind(tx, "threadIdx.x")
+    _, t = sch.split(fused, [None, THREADS])
+    _bind_threads(sch, t, warps)
 
 
-def _rows(sch: s_tir.Schedule, name: str) -> None:
+def _rows(sch: s_tir.Schedule, name: str, warps: bool = False) -> None:
     """Row reduction: one thread per row, the reduction serial in a register, then stored."""
     block = sch.get_sblock(name)
     write_back = sch.cache_write(block, 0, "local")
     for blk in (block, write_back):
-        _, tx = sch.split(_own_loops(sch, blk)[0], [None, THREADS])
-        sch.bind(tx, "threadIdx.x")
+        _, t = sch.split(_own_loops(sch, blk)[0], [None, THREADS])
+        _bind_threads(sch, t, warps)
+    if warps:
+        # with fewer rows than threads the guard then encloses the whole row loop, not each
+        # step (a guard inside the loop leaves ThreadSync no place for its barriers)
+        sch.blockize(sch.get_loops(block)[-1])
 
 
 def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False,
-                tc: int = DEFAULTS["tc"]) -> None:
+                tc: int = DEFAULTS["tc"], warps: bool = False) -> None:
     """Give each thread a (rows/tr) x (cols/tc) piece of a block's 2-D output (a band of
     rows, every tc-th column).
 
@@ -185,18 +248,17 @@ def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False,
         sch.reorder(r_o, c_o, loops[2], r_i, c_i)
     else:
         sch.reorder(r_o, c_o, r_i, c_i)
-    t = sch.fuse(r_o, c_o)
-    sch.bind(t, "threadIdx.x")
+    _bind_threads(sch, sch.fuse(r_o, c_o), warps)
     if len(loops) == 3:
         sch.unroll(r_i)
         sch.unroll(c_i)
-        if to_registers:
-            # S starts from zero here; the accumulating GEMMs keep their init (a rescale or an
-            # identity) inside the reduction loop, as their accumulator has another writer.
+        if sch.get(block).name_hint.endswith("_gemm"):
+            # a fresh product starts from zero once; an update's init (its decay) has to stay
+            # in place: its running sum has other writers
             sch.decompose_reduction(block, loops[2])
     if write_back is not None:
         # the register partial sums go to shared memory with the same thread mapping
-        _micro_tile(sch, write_back, tc=tc)
+        _micro_tile(sch, write_back, tc=tc, warps=warps)
 
 
 def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuParams,
@@ -220,25 +282,42 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
         return sch
 
     producers = _PRODUCERS[PACKED_BASE.get(key.op, key.op)]
-    pad_rows(sch, producers, [b for b in _PADDED if b in producers], PAD)
-    set_scopes(sch, {b: ("local" if b in _REGISTERS else params.smem_scope) for b in producers},
-               producers)
+    warps = tile in _tensor_core_tiles(key, params)
+    scopes = {b: params.smem_scope for b in producers}
+    if warps:
+        # tensor cores: 16-bit operand rows padded for WMMA (the float32 GEMM outputs are padded
+        # by tensor_core.gemm); the GEMM products go to shared memory for the updates; operand
+        # tiles loaded once before the loop live in static shared memory (see _STATIC)
+        pad_rows(sch, producers, [b for b in _PADDED if b in producers and b not in _FLOAT32],
+                 _TC_PAD)
+        scopes.update({b: "local" for b in _REGISTERS if b in producers})
+        scopes.update({b: "shared" for b in _STATIC[PACKED_BASE.get(key.op, key.op)]})
+    else:
+        pad_rows(sch, producers, [b for b in _PADDED if b in producers], PAD)
+        scopes.update({b: "local" for b in _REGISTERS + _PARTS if b in producers})
+    set_scopes(sch, scopes, producers)
 
     block_loop = sch.fuse(*sch.get_loops(sch.get_sblock("tile")))
     sch.bind(block_loop, "blockIdx.x")
     apply_unroll(sch, block_loop, decisions["unroll"], SPACE["unroll"])
     for name in _ELEMENTWISE:
         if has_block(sch, name):
-            _spread(sch, name)
+            _spread(sch, name, warps)
     for name in _ROW_REDUCTIONS:
         if has_block(sch, name):
-            _rows(sch, name)
-    for name in _SHARED_GEMMS:
-        if has_block(sch, name):
+            _rows(sch, name, warps)
+    for name in _SHARED_GEMMS + _PART_GEMMS:
+        if not has_block(sch, name):
+            continue
+        if warps:
+            tensor_core.gemm(sch, name, key.dtype, PAD)
+        elif name in _SHARED_GEMMS:
             _micro_tile(sch, name, to_registers=True, tc=decisions["tc"])
+        else:
+            _micro_tile(sch, name, tc=decisions["tc"])
     for name in _REGISTER_TILES:
         if has_block(sch, name):
-            _micro_tile(sch, name, tc=decisions["tc"])
+            _micro_tile(sch, name, tc=decisions["tc"], warps=warps)
     return sch
 
 

@@ -108,7 +108,9 @@ def design_spaces(key: KernelKey, tile: TileConfig):
     def spaces(sch):
         out = []
         for tc in thread_grids:
-            candidate = sch.copy()
+            # an independent copy of the IR, not sch.copy(): with the GEMMs' scope blocks some
+            # TVM 0.27 primitives edit blocks in place, which would leak into the next space
+            candidate = tvm.s_tir.Schedule(tvm.ir.load_json(tvm.ir.save_json(sch.mod)))
             fixed = {} if tc is None else {"tc": tc}
             try:
                 sched.schedule(candidate, key, tile, {**fixed, "unroll": "sample"})

@@ -13,8 +13,10 @@ bitwise deterministic gradients:
 * ``flash_dkv``: one tile of key rows of one key/value head *owns* its dK/dV rows and loops
   over every query head of its GQA group and every query tile. dK/dV start from zero.
 
-The accumulating GEMMs carry an identity ``T.init`` so that they are reduction blocks, which
-schedules may split and bind; the accumulators themselves are zeroed once by ``acc_init``.
+P and dS are rounded to the input dtype before their GEMMs (as FlashAttention does); every
+GEMM writes a fresh float32 tile from 16-bit operands (a plain reduction block, which
+schedules may split, bind and tensorize) that an elementwise block adds to the running sum,
+zeroed once by ``acc_init``.
 
 Short queries (the "vector" path) pack the queries of a GQA group into one tile (see
 ``common.Rows``): ``flash_dkv`` takes packed rows as they are, and ``flash_dq_split`` cuts
@@ -32,18 +34,20 @@ from .common import (
     TILED,
     Rows,
     TileConfig,
+    accumulate,
     exp2_clamped,
     first_query_tile,
     fresh,
-    gemm_acc,
-    gemm_nt,
+    gemm,
     load_row_stats,
     load_tile,
     neg_inf,
     num_key_tiles,
     pin_scalars,
+    plain,
     split_size,
     store_tile,
+    transposed,
     visible,
 )
 
@@ -55,8 +59,8 @@ class _Macros:
         self.load_q, self.load_do, self.load_k, self.load_v = (fresh(load_tile)
                                                                for _ in range(4))
         self.load_rows = fresh(load_row_stats)
-        self.gemm_1, self.gemm_2 = fresh(gemm_nt), fresh(gemm_nt)
-        self.acc_1, self.acc_2 = fresh(gemm_acc), fresh(gemm_acc)
+        self.gemm_1, self.gemm_2, self.gemm_3, self.gemm_4 = (fresh(gemm) for _ in range(4))
+        self.add_1, self.add_2 = fresh(accumulate), fresh(accumulate)
         self.store_1, self.store_2 = fresh(store_tile), fresh(store_tile)
         self.pin = fresh(pin_scalars)
 
@@ -121,7 +125,8 @@ def _dq_tile(head_dim: int, dtype: str, causal: str, tile: TileConfig, rows: Row
         delta_s = T.sblock_alloc_buffer((BQ,), f32)
         S = T.sblock_alloc_buffer((BQ, BK), f32)
         dP = T.sblock_alloc_buffer((BQ, BK), f32)
-        dS = T.sblock_alloc_buffer((BQ, BK), f32)
+        dS = T.sblock_alloc_buffer((BQ, BK), dtype)
+        dQp = T.sblock_alloc_buffer((BQ, D), f32)
 
         m.load_q("Q_load", Qs, Q, vb, h, r0, Lq, BQ, D, dtype, rows)
         m.load_do("dO_load", dOs, dO, vb, h, r0, Lq, BQ, D, dtype, rows)
@@ -131,19 +136,25 @@ def _dq_tile(head_dim: int, dtype: str, causal: str, tile: TileConfig, rows: Row
                 vi, vd = T.axis.remap("SS", [i, d])
                 acc[vi, vd] = T.float32(0)
 
-        for kt in T.serial(num_key_tiles(causal, r0, BQ, Lq, Lk, BK, k_begin, k_end)):
-            k0: T.let[T.int64] = k_begin + kt * BK
-            m.load_k("K_load", Ks, K, vb, hk, k0, k_end, BK, D, dtype)
-            m.load_v("V_load", Vs, V, vb, hk, k0, k_end, BK, D, dtype)
-            m.gemm_1("S_gemm", S, Qs, Ks, BQ, BK, D)
-            m.gemm_2("dP_gemm", dP, dOs, Vs, BQ, BK, D)
-            for i, j in T.grid(BQ, BK):
-                with T.sblock("dS"):
-                    vi, vj = T.axis.remap("SS", [i, j])
-                    dS[vi, vj] = _prob(causal, S[vi, vj], scale, lse_s[vi],
-                                       rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end) * (
-                        dP[vi, vj] - delta_s[vi])
-            m.acc_1("dQ_gemm", acc, dS, Ks, BQ, D, BK)
+        steps = T.meta_var(num_key_tiles(causal, r0, BQ, Lq, Lk, BK, k_begin, k_end))
+        for kt in T.serial(steps):
+            with T.sblock("key_step"):
+                # a step carries running sums to the next: an opaque iteration (TVM then keeps the
+                # tiles written here allocated across the loop; see common.STEP_NOTE)
+                vkt = T.axis.opaque(steps, kt)
+                k0 = T.meta_var(k_begin + vkt * BK)
+                m.load_k("K_load", Ks, K, vb, hk, k0, k_end, BK, D, dtype)
+                m.load_v("V_load", Vs, V, vb, hk, k0, k_end, BK, D, dtype)
+                m.gemm_1("S_gemm", S, Qs, Ks, BQ, BK, D, transposed)
+                m.gemm_2("dP_gemm", dP, dOs, Vs, BQ, BK, D, transposed)
+                for i, j in T.grid(BQ, BK):
+                    with T.sblock("dS"):
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        dS[vi, vj] = T.cast(_prob(causal, S[vi, vj], scale, lse_s[vi],
+                                                  rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end)
+                                            * (dP[vi, vj] - delta_s[vi]), dtype)
+                m.gemm_3("dQ_gemm", dQp, dS, Ks, BQ, D, BK, plain)
+                m.add_1("dQ_update", acc, dQp, BQ, D)
 
     return dq_tile
 
@@ -154,7 +165,8 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
     Shapes: q, do, dq ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; lse, delta ``(B, Hq, Lq)``.
 
     Named blocks: ``tile``, ``Q_load``, ``dO_load``, ``row_load``, ``acc_init``, ``K_load``,
-    ``V_load``, ``S_gemm``, ``dP_gemm``, ``dS`` (P and dS elementwise), ``dQ_gemm``, ``dQ_store``.
+    ``V_load``, ``S_gemm``, ``dP_gemm``, ``dS`` (P and dS elementwise), ``dQ_gemm`` (dQp = dS K),
+``dQ_update`` (acc += dQp), ``dQ_store``.
     """
     D, BQ = head_dim, tile.block_q
     f32 = "float32"
@@ -275,8 +287,9 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
     and over the query tiles that can see its keys.
 
     Named blocks: ``tile``, ``K_load``, ``V_load``, ``acc_init``, ``Q_load``, ``dO_load``,
-    ``row_load``, ``St_gemm`` (S^T = K Q^T), ``P``, ``dV_gemm``, ``dPt_gemm`` (dP^T = V dO^T),
-    ``dS``, ``dK_gemm``, ``dK_store``, ``dV_store``.
+    ``row_load``, ``St_gemm`` (S^T = K Q^T), ``P``, ``dV_gemm`` (dVp = P^T dO), ``dV_update``,
+    ``dPt_gemm`` (dP^T = V dO^T), ``dS``, ``dK_gemm`` (dKp = dS^T Q), ``dK_update``,
+    ``dK_store``, ``dV_store``.
     """
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
@@ -311,9 +324,11 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                 lse_s = T.sblock_alloc_buffer((BQ,), f32)
                 delta_s = T.sblock_alloc_buffer((BQ,), f32)
                 St = T.sblock_alloc_buffer((BK, BQ), f32)
-                Pt = T.sblock_alloc_buffer((BK, BQ), f32)
+                Pt = T.sblock_alloc_buffer((BK, BQ), dtype)
                 dPt = T.sblock_alloc_buffer((BK, BQ), f32)
-                dSt = T.sblock_alloc_buffer((BK, BQ), f32)
+                dSt = T.sblock_alloc_buffer((BK, BQ), dtype)
+                dVp = T.sblock_alloc_buffer((BK, D), f32)
+                dKp = T.sblock_alloc_buffer((BK, D), f32)
                 dk_acc = T.sblock_alloc_buffer((BK, D), f32)
                 dv_acc = T.sblock_alloc_buffer((BK, D), f32)
                 # c: batch, kv head, first key, first query tile that sees it
@@ -329,27 +344,36 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                         dk_acc[vj, vd] = T.float32(0)
                         dv_acc[vj, vd] = T.float32(0)
 
-                for g, qt in T.grid(rows.heads_per_tile_loop(group),
-                                    T.ceildiv(rows.count(Lq), BQ) - c[3]):
-                    hq: T.let[T.int64] = c[1] * group + g
-                    q0: T.let[T.int64] = (c[3] + qt) * BQ
-                    m.load_q("Q_load", Qs, Q, c[0], hq, q0, Lq, BQ, D, dtype, rows)
-                    m.load_do("dO_load", dOs, dO, c[0], hq, q0, Lq, BQ, D, dtype, rows)
-                    m.load_rows("row_load", lse_s, delta_s, LSE, Delta, c[0], hq, q0, Lq, BQ,
-                                rows)
-                    m.gemm_1("St_gemm", St, Ks, Qs, BK, BQ, D)
-                    for j, i in T.grid(BK, BQ):
-                        with T.sblock("P"):
-                            vj, vi = T.axis.remap("SS", [j, i])
-                            Pt[vj, vi] = _prob(causal, St[vj, vi], scale, lse_s[vi],
-                                               rows.query(q0 + vi, Lq), c[2] + vj, Lq, Lk)
-                    m.acc_1("dV_gemm", dv_acc, Pt, dOs, BK, D, BQ)
-                    m.gemm_2("dPt_gemm", dPt, Vs, dOs, BK, BQ, D)
-                    for j, i in T.grid(BK, BQ):
-                        with T.sblock("dS"):
-                            vj, vi = T.axis.remap("SS", [j, i])
-                            dSt[vj, vi] = Pt[vj, vi] * (dPt[vj, vi] - delta_s[vi])
-                    m.acc_2("dK_gemm", dk_acc, dSt, Qs, BK, D, BQ)
+                q_tiles = T.meta_var(T.ceildiv(rows.count(Lq), BQ) - c[3])
+                for g, qt in T.grid(rows.heads_per_tile_loop(group), q_tiles):
+                    with T.sblock("query_step"):
+                        # a step carries running sums to the next: an opaque iteration (TVM then keeps the
+                        # tiles written here allocated across the loop; see common.STEP_NOTE)
+                        vg = T.axis.opaque(rows.heads_per_tile_loop(group), g)
+                        vqt = T.axis.opaque(q_tiles, qt)
+                        hq = T.meta_var(c[1] * group + vg)
+                        q0 = T.meta_var((c[3] + vqt) * BQ)
+                        m.load_q("Q_load", Qs, Q, c[0], hq, q0, Lq, BQ, D, dtype, rows)
+                        m.load_do("dO_load", dOs, dO, c[0], hq, q0, Lq, BQ, D, dtype, rows)
+                        m.load_rows("row_load", lse_s, delta_s, LSE, Delta, c[0], hq, q0, Lq, BQ,
+                                    rows)
+                        m.gemm_1("St_gemm", St, Ks, Qs, BK, BQ, D, transposed)
+                        for j, i in T.grid(BK, BQ):
+                            with T.sblock("P"):
+                                vj, vi = T.axis.remap("SS", [j, i])
+                                Pt[vj, vi] = T.cast(_prob(causal, St[vj, vi], scale, lse_s[vi],
+                                                          rows.query(q0 + vi, Lq), c[2] + vj, Lq,
+                                                          Lk), dtype)
+                        m.gemm_3("dV_gemm", dVp, Pt, dOs, BK, D, BQ, plain)
+                        m.add_1("dV_update", dv_acc, dVp, BK, D)
+                        m.gemm_2("dPt_gemm", dPt, Vs, dOs, BK, BQ, D, transposed)
+                        for j, i in T.grid(BK, BQ):
+                            with T.sblock("dS"):
+                                vj, vi = T.axis.remap("SS", [j, i])
+                                dSt[vj, vi] = T.cast(T.cast(Pt[vj, vi], f32)
+                                                     * (dPt[vj, vi] - delta_s[vi]), dtype)
+                        m.gemm_4("dK_gemm", dKp, dSt, Qs, BK, D, BQ, plain)
+                        m.add_2("dK_update", dk_acc, dKp, BK, D)
 
                 m.store_1("dK_store", dK, dk_acc, c[0], c[1], c[2], Lk, BK, D, scale, dtype)
                 m.store_2("dV_store", dV, dv_acc, c[0], c[1], c[2], Lk, BK, D, T.float32(1),

@@ -22,6 +22,13 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 
+STEP_NOTE = """Each kernel's inner loop (over key tiles, or query tiles for dK/dV) has its body in a
+block (``key_step`` / ``query_step``) whose iteration variable is opaque: a step updates the
+running max, sum and accumulators the next step reads. This also makes TVM allocate the on-chip
+tiles written in the loop once, around the whole loop, instead of inside each step, where its
+shared-memory planner (which does not see tensor-core fragment loads and stores) would let
+tiles that are live at the same time share memory."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
@@ -185,28 +192,53 @@ def load_row_stats(name, lse_s, delta_s, LSE, Delta, b, h, start, length, rows, 
                 delta_s[vi] = T.float32(0)
 
 
-def gemm_nt(name, C, A, B, m, n, k):
-    """``C = A B^T`` in float32, C starting from zero."""
-    for i, j, r in T.grid(m, n, k):
-        with T.sblock(name):
-            vi, vj, vr = T.axis.remap("SSR", [i, j, r])
-            with T.init():
-                C[vi, vj] = T.float32(0)
-            C[vi, vj] = C[vi, vj] + T.cast(A[vi, vr], "float32") * T.cast(B[vj, vr], "float32")
+def transposed(b, r, j):
+    """``gemm``'s B operand stored as (n, k): C = A B^T."""
+    return b[j, r]
 
 
-def gemm_acc(name, C, A, B, m, n, k):
-    """``C += A B`` (A float32, B cast to float32), accumulating across calls.
+def plain(b, r, j):
+    """``gemm``'s B operand stored as (k, n): C = A B."""
+    return b[r, j]
 
-    The identity init keeps it a reduction block that schedules may split and bind; C is
-    zeroed once elsewhere.
+
+def gemm(name, C, A, B, m, n, k, b_at):
+    """``C = A B^T`` (``b_at=transposed``) or ``A B`` (``b_at=plain``) in float32, C starting
+    from zero.
+
+    Every GEMM of the kernels writes a fresh tile from operands in the input dtype; a running
+    sum adds the tile in a separate elementwise block (:func:`accumulate`). Each GEMM is then
+    a plain reduction block that a schedule can hand to tensor cores as it is. The loop nest
+    sits in a scope block of its own (``<name>_scope``): the kernels' loop steps update their
+    running sums in place, so only there can a schedule move operand and result caches
+    (tensor-core fragments) around the GEMM's loops.
     """
-    for i, j, r in T.grid(m, n, k):
+    with T.sblock(name + "_scope"):
+        for i, j, r in T.grid(m, n, k):
+            with T.sblock(name):
+                vi, vj, vr = T.axis.remap("SSR", [i, j, r])
+                with T.init():
+                    C[vi, vj] = T.float32(0)
+                C[vi, vj] = C[vi, vj] + T.cast(A[vi, vr], "float32") * T.cast(b_at(B, vr, vj),
+                                                                                "float32")
+
+
+def accumulate(name, acc, part, rows, cols, decay=None):
+    """``acc = acc * decay[i] + part`` elementwise (``decay`` None: 1): a GEMM's fresh product
+    added to a running sum.
+
+    Written as a reduction over one step whose init applies the decay: a block that reads and
+    writes ``acc`` is then still a reduction block, which schedules may split and bind.
+    """
+    for i, d, u in T.grid(rows, cols, 1):
         with T.sblock(name):
-            vi, vj, vr = T.axis.remap("SSR", [i, j, r])
+            vi, vd, vu = T.axis.remap("SSR", [i, d, u])
             with T.init():
-                C[vi, vj] = C[vi, vj]
-            C[vi, vj] = C[vi, vj] + A[vi, vr] * T.cast(B[vr, vj], "float32")
+                if decay is None:
+                    acc[vi, vd] = acc[vi, vd]
+                else:
+                    acc[vi, vd] = acc[vi, vd] * decay[vi]
+            acc[vi, vd] = acc[vi, vd] + part[vi + vu, vd]
 
 
 def store_tile(name, dst, acc, b, h, start, length, rows, cols, scale, dtype, lay=TILED):

@@ -7,9 +7,11 @@ output accumulator in float32. Nothing of size Lq x Lk is ever written to global
 Named blocks (the schedules find them by these names):
 ``tile`` (one query tile), ``Q_load``, ``acc_init``, ``stats_init``, ``K_load``, ``V_load``,
 ``S_gemm`` (S = Q K^T), ``row_max``, ``P`` (exp2), ``rescale`` (alpha = exp2(m - m_new)),
-``row_sum``, ``stats_update``, ``O_gemm`` (acc = acc * alpha + P V), ``O_store``, ``lse_store``.
-Each is a complete or reduction block (no block reads what it writes, but for the
-accumulating GEMMs), so schedules can split, bind and tensorize them freely.
+``row_sum``, ``stats_update`` (m), ``lsum_update``, ``O_gemm`` (PV = P V), ``O_update``
+(acc = acc * alpha + PV), ``O_store``, ``lse_store``, inside ``key_step`` (one key tile; see
+``common.STEP_NOTE``). P is rounded to the input dtype (as FlashAttention does), so both
+GEMMs take 16-bit operands and produce a fresh float32 tile: plain reduction blocks that
+schedules can split, bind and tensorize (tensor cores) freely.
 
 The short-query ("vector") forward for a few queries against many keys runs the same tile
 loop with two changes (:func:`flash_forward_split`): a tile packs the queries of every head
@@ -29,15 +31,18 @@ from .common import (
     TILED,
     Rows,
     TileConfig,
+    accumulate,
     exp2_clamped,
     fresh,
-    gemm_nt,
+    gemm,
     load_tile,
     neg_inf,
     num_key_tiles,
     pin_scalars,
+    plain,
     split_size,
     store_tile,
+    transposed,
     visible,
 )
 
@@ -51,8 +56,8 @@ def _attend(head_dim: int, dtype: str, causal: str, tile: TileConfig, sinks: boo
     """
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
-    load_q, load_k, load_v, s_gemm = (fresh(load_tile), fresh(load_tile), fresh(load_tile),
-                                      fresh(gemm_nt))
+    load_q, load_k, load_v = fresh(load_tile), fresh(load_tile), fresh(load_tile)
+    s_gemm, o_gemm, o_update = fresh(gemm), fresh(gemm), fresh(accumulate)
 
     @T.macro
     def attend(Q, K, V, Sinks, acc, m, lsum, vb, h, hk, r0, k_begin, k_end, Lq, Lk, scale):
@@ -60,7 +65,8 @@ def _attend(head_dim: int, dtype: str, causal: str, tile: TileConfig, sinks: boo
         Ks = T.sblock_alloc_buffer((BK, D), dtype)
         Vs = T.sblock_alloc_buffer((BK, D), dtype)
         S = T.sblock_alloc_buffer((BQ, BK), f32)
-        P = T.sblock_alloc_buffer((BQ, BK), f32)
+        P = T.sblock_alloc_buffer((BQ, BK), dtype)
+        PV = T.sblock_alloc_buffer((BQ, D), f32)
         m_new = T.sblock_alloc_buffer((BQ,), f32)
         l_new = T.sblock_alloc_buffer((BQ,), f32)
         alpha = T.sblock_alloc_buffer((BQ,), f32)
@@ -81,51 +87,58 @@ def _attend(head_dim: int, dtype: str, causal: str, tile: TileConfig, sinks: boo
                     m[vi] = neg_inf()
                     lsum[vi] = T.float32(0)
 
-        for kt in T.serial(num_key_tiles(causal, r0, BQ, Lq, Lk, BK, k_begin, k_end)):
-            k0: T.let[T.int64] = k_begin + kt * BK
-            load_k("K_load", Ks, K, vb, hk, k0, k_end, BK, D, dtype)
-            load_v("V_load", Vs, V, vb, hk, k0, k_end, BK, D, dtype)
-            s_gemm("S_gemm", S, Qs, Ks, BQ, BK, D)
-            for i, j in T.grid(BQ, BK):
-                with T.sblock("row_max"):
-                    vi, vj = T.axis.remap("SR", [i, j])
-                    with T.init():
-                        m_new[vi] = m[vi]
-                    m_new[vi] = T.max(m_new[vi], T.if_then_else(
-                        visible(causal, rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end),
-                        S[vi, vj] * scale2, neg_inf()))
-            for i, j in T.grid(BQ, BK):
-                with T.sblock("P"):
-                    vi, vj = T.axis.remap("SS", [i, j])
-                    P[vi, vj] = T.if_then_else(
-                        visible(causal, rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end),
-                        exp2_clamped(S[vi, vj] * scale2 - m_new[vi]),
-                        T.float32(0),
-                    )
-            for i in T.serial(BQ):
-                with T.sblock("rescale"):
-                    vi = T.axis.remap("S", [i])
-                    # m_new == -inf: no visible key yet, acc and l are still zero.
-                    alpha[vi] = T.if_then_else(
-                        m_new[vi] == neg_inf(), T.float32(1), exp2_clamped(m[vi] - m_new[vi])
-                    )
-            for i, j in T.grid(BQ, BK):
-                with T.sblock("row_sum"):
-                    vi, vj = T.axis.remap("SR", [i, j])
-                    with T.init():
-                        l_new[vi] = lsum[vi] * alpha[vi]
-                    l_new[vi] = l_new[vi] + P[vi, vj]
-            for i in T.serial(BQ):
-                with T.sblock("stats_update"):
-                    vi = T.axis.remap("S", [i])
-                    m[vi] = m_new[vi]
-                    lsum[vi] = l_new[vi]
-            for i, d, j in T.grid(BQ, D, BK):
-                with T.sblock("O_gemm"):
-                    vi, vd, vj = T.axis.remap("SSR", [i, d, j])
-                    with T.init():
-                        acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                    acc[vi, vd] = acc[vi, vd] + P[vi, vj] * T.cast(Vs[vj, vd], f32)
+        steps = T.meta_var(num_key_tiles(causal, r0, BQ, Lq, Lk, BK, k_begin, k_end))
+        for kt in T.serial(steps):
+            with T.sblock("key_step"):
+                # a step carries running sums to the next: an opaque iteration (TVM then keeps the
+                # tiles written here allocated across the loop; see common.STEP_NOTE)
+                vkt = T.axis.opaque(steps, kt)
+                k0 = T.meta_var(k_begin + vkt * BK)
+                load_k("K_load", Ks, K, vb, hk, k0, k_end, BK, D, dtype)
+                load_v("V_load", Vs, V, vb, hk, k0, k_end, BK, D, dtype)
+                s_gemm("S_gemm", S, Qs, Ks, BQ, BK, D, transposed)
+                for i, j in T.grid(BQ, BK):
+                    with T.sblock("row_max"):
+                        vi, vj = T.axis.remap("SR", [i, j])
+                        with T.init():
+                            m_new[vi] = m[vi]
+                        m_new[vi] = T.max(m_new[vi], T.if_then_else(
+                            visible(causal, rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end),
+                            S[vi, vj] * scale2, neg_inf()))
+                for i, j in T.grid(BQ, BK):
+                    with T.sblock("P"):
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        P[vi, vj] = T.cast(T.if_then_else(
+                            visible(causal, rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end),
+                            exp2_clamped(S[vi, vj] * scale2 - m_new[vi]),
+                            T.float32(0),
+                        ), dtype)
+                for i in T.serial(BQ):
+                    with T.sblock("rescale"):
+                        vi = T.axis.remap("S", [i])
+                        # m_new == -inf: no visible key yet, acc and l are still zero.
+                        alpha[vi] = T.if_then_else(
+                            m_new[vi] == neg_inf(), T.float32(1), exp2_clamped(m[vi] - m_new[vi])
+                        )
+                for i, j in T.grid(BQ, BK):
+                    with T.sblock("row_sum"):
+                        vi, vj = T.axis.remap("SR", [i, j])
+                        with T.init():
+                            l_new[vi] = lsum[vi] * alpha[vi]
+                        # the rounded P, so that numerator and denominator agree
+                        l_new[vi] = l_new[vi] + T.cast(P[vi, vj], f32)
+                # one statistic per block: a GPU schedule guards blocks of fewer rows than threads,
+                # and TVM cannot place the barrier a second shared access needs inside the guard
+                for i in T.serial(BQ):
+                    with T.sblock("stats_update"):
+                        vi = T.axis.remap("S", [i])
+                        m[vi] = m_new[vi]
+                for i in T.serial(BQ):
+                    with T.sblock("lsum_update"):
+                        vi = T.axis.remap("S", [i])
+                        lsum[vi] = l_new[vi]
+                o_gemm("O_gemm", PV, P, Vs, BQ, D, BK, plain)
+                o_update("O_update", acc, PV, BQ, D, alpha)
 
     return attend
 
