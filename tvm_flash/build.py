@@ -131,19 +131,20 @@ def compile_module(key: KernelKey, mod: tvm.IRModule | None = None):
     """Lower ``key`` for its target. For CUDA the result holds CUDA source, see
     :func:`compile_device_code`."""
     mod = scheduled_module(key) if mod is None else mod
-    with tvm.transform.PassContext(config=pass_config(key.target)):
+    with tvm.transform.PassContext(config=pass_config(target_kind(key.target))):
         return tvm.tirx.build(mod, target=make_target(key.target))
 
 
-def pass_config(tag: str) -> dict:
-    """Lowering options for a target tag.
+def pass_config(kind: str) -> dict:
+    """Lowering options for a target kind (``llvm``, ``cuda``, ``metal``); every build of a
+    kernel (artifacts, just in time, tuning) lowers with them.
 
     CUDA: TVM's StorageRewrite may place a float32 tile in the shared memory of a dead 16-bit
     one and then rejects the tensor-core fragment pointers into it ("tvm_access_ptr element
     type must match the source buffer"); the kernels' on-chip buffers are sized by the
     schedule anyway, so the rewrite is off.
     """
-    return {"tirx.disable_storage_rewrite": True} if target_kind(tag) == "cuda" else {}
+    return {"tirx.disable_storage_rewrite": True} if kind == "cuda" else {}
 
 
 def device_source(module) -> str:

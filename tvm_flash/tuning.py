@@ -36,7 +36,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from .build import make_target, schedules, target_kind
+from .build import make_target, pass_config, schedules, target_kind
 from .kernels import FACTORIES, TileConfig
 from .key import KernelKey
 
@@ -192,6 +192,7 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
             ms.tune_tir(workload(key, tile, shape), tuning_target(key.target), str(tmp / "work"),
                         per_tile, num_trials_per_iter=min(64, per_tile),
                         space=_space_generator(key, tile), database=database,
+                        builder=ms.builder.LocalBuilder(f_build=build_candidate),
                         cost_model="xgb", seed=seed)
         records = database.get_all_tuning_records()
         best = min(records, key=lambda r: _mean_secs(r.run_secs), default=None)
@@ -317,6 +318,16 @@ def load_tuned(root: str | os.PathLike, key: KernelKey) -> dict | None:
     return {**tuned, "digest": digest[:16]}
 
 
+def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None):
+    """MetaSchedule's build function (its ``default_build``), lowering with the same options
+    as every other build of the kernels (:func:`tvm_flash.build.pass_config`)."""
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
+    with tvm.transform.PassContext(config=pass_config(target.kind.name)):
+        return tvm.tirx.build(mod, target=target)
+
+
 def dry_run(key: KernelKey, log=print) -> int:
     """Generate every design space of ``key`` and build each with its first sampled decisions,
     measuring nothing (for targets this machine cannot run, e.g. Metal on Linux)."""
@@ -325,7 +336,7 @@ def dry_run(key: KernelKey, log=print) -> int:
     for tile in sched.tiles(key):
         base = tvm.s_tir.Schedule(workload(key, tile))
         for space in design_spaces(key, tile)(base):
-            tvm.tirx.build(space.mod, target=make_target(key.target))
+            build_candidate(space.mod, make_target(key.target), None)
             built += 1
     log(f"{key.name}: {built} design spaces generated and built")
     return built
