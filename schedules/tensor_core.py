@@ -1,7 +1,7 @@
 """Tensor-core GEMMs for the CUDA schedule (fp16 and bf16 inputs, fp32 accumulators).
 
 Every GEMM of the kernels writes a fresh float32 tile from two 16-bit shared-memory operands
-(``gemm_nt``: C = A B^T, ``gemm_nn``: C = A B), inside a scope block of its own. Here such a
+(``kernels.common.gemm``: C = A B^T or C = A B), inside a scope block of its own. Here such a
 GEMM becomes warp-level WMMA 16x16x16 operations: the four warps of a block take the output's
 16-row bands in turn, each warp walks the reduction in 16-wide steps loading one A fragment
 and, per 16-column band, one B fragment, keeps the fp32 accumulators of its whole row band in
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from tvm import s_tir
 from tvm.s_tir.tensor_intrin import cuda as cuda_intrins
-
-from .common import align_rows
 
 FRAG = 16  # WMMA m = n = k
 WARPS = 4
@@ -45,10 +43,13 @@ def _intrin(kind: str, dtype: str, scope: str, **variant) -> str:
     return name
 
 
-def gemm(sch: s_tir.Schedule, name: str, dtype: str, pad: int) -> None:
+def gemm(sch: s_tir.Schedule, name: str, dtype: str) -> None:
     """Run the GEMM block ``name`` (C = A B or A B^T, operands and C in shared memory) on
-    tensor cores; C's rows are padded by ``pad`` elements. Threads must be bound as
-    (threadIdx.y, threadIdx.x) = (WARPS, 32)."""
+    tensor cores. Threads must be bound as (threadIdx.y, threadIdx.x) = (WARPS, 32).
+
+    C's rows are not padded: ``tensorize`` replaces the write-back block and with it a padding
+    annotation set there (docs/perf.md, v3: the row statistics then read C with 32-way bank
+    conflicts; padding it is a next step)."""
     block = sch.get_sblock(name)
     stmt = sch.get(block)
     out = stmt.writes[0].source
@@ -66,8 +67,6 @@ def gemm(sch: s_tir.Schedule, name: str, dtype: str, pad: int) -> None:
 
     acc = sch.cache_write(block, 0, "wmma.accumulator")
     sch.reverse_compute_at(acc, band)
-    # the write-back block now produces C: its layout (padding) is set there
-    align_rows(sch, acc, 0, int(out.shape[1]), pad)
     frag_a = sch.cache_read(block, _read_index(stmt, a_buf), "wmma.matrix_a")
     frag_b = sch.cache_read(block, _read_index(stmt, b_buf), "wmma.matrix_b")
     sch.compute_at(frag_a, k0)
