@@ -25,7 +25,7 @@ from tvm_flash.key import MERGE_OPS, PACKED_BASE, KernelKey
 from . import tensor_core
 from .common import apply_unroll, has_block, pad_rows, set_scopes
 
-THREADS = 128
+THREADS = tensor_core.WARPS * tensor_core.WARP_SIZE  # 128, as (warp, lane) with tensor cores
 ACC_BUDGET = 128  # fp32 accumulator elements per thread
 PAD = 4  # elements of padding per shared row
 
@@ -87,10 +87,14 @@ _TC_PAD = 8  # 16-bit rows: a WMMA row stride must be a multiple of 8 elements
 _STATIC = {"fwd": ("Qs",), "dq": ("Qs", "dOs"), "dkv": ("Ks", "Vs")}
 
 
+def _operand_rows(op: str, bq: int, bk: int) -> int:
+    """Rows of the input-dtype operand tiles (Q, K, V, dO) a kernel keeps on chip."""
+    return {"fwd": bq + 2 * bk, "dq": 2 * bq + 2 * bk, "dkv": 2 * bq + 2 * bk}[op]
+
+
 def _footprint(op: str, d: int, esize: int, bq: int, bk: int) -> tuple[int, int]:
     """(shared-memory bytes, fp32 accumulator elements per thread) of a tile choice."""
-    rows = {"fwd": bq + 2 * bk, "dq": 2 * bq + 2 * bk, "dkv": 2 * bq + 2 * bk}[op]
-    smem = rows * (d + PAD) * esize
+    smem = _operand_rows(op, bq, bk) * (d + PAD) * esize
     # score-shaped tiles: float32 S (dP) and P (dS) in the input dtype
     smem += {"fwd": bq * (bk + PAD) * (4 + esize), "dq": bq * (bk + PAD) * (8 + esize),
              "dkv": bk * (bq + PAD) * (8 + 2 * esize)}[op]
@@ -103,10 +107,9 @@ def _footprint(op: str, d: int, esize: int, bq: int, bk: int) -> tuple[int, int]
 def _tc_footprint(op: str, d: int, bq: int, bk: int) -> int:
     """Shared-memory bytes of a tensor-core tile: 16-bit operands, float32 S-type tiles and
     GEMM products, all with padded rows."""
-    rows16 = {"fwd": bq + 2 * bk, "dq": 2 * bq + 2 * bk, "dkv": 2 * bq + 2 * bk}[op]
     s_rows, s_cols = (bk, bq) if op == "dkv" else (bq, bk)
     n_s, n_p, n_parts = {"fwd": (1, 1, 1), "dq": (2, 1, 1), "dkv": (2, 2, 2)}[op]
-    return (rows16 * (d + _TC_PAD) * 2 + n_s * s_rows * (s_cols + PAD) * 4
+    return (_operand_rows(op, bq, bk) * (d + _TC_PAD) * 2 + n_s * s_rows * (s_cols + PAD) * 4
             + n_p * s_rows * (s_cols + _TC_PAD) * 2 + n_parts * s_rows * (d + PAD) * 4
             + 5 * bq * 4)
 
@@ -197,7 +200,7 @@ def _bind_threads(sch: s_tir.Schedule, loop, warps: bool) -> None:
     ``warps`` as (threadIdx.y, threadIdx.x) = (warp, lane), as warp-level tensor-core
     operations need (the same thread gets the same iteration either way)."""
     if warps:
-        ty, tx = sch.split(loop, [THREADS // tensor_core.WARP_SIZE, tensor_core.WARP_SIZE])
+        ty, tx = sch.split(loop, [tensor_core.WARPS, tensor_core.WARP_SIZE])
         sch.bind(ty, "threadIdx.y")
         sch.bind(tx, "threadIdx.x")
     else:
