@@ -64,6 +64,8 @@ _PRODUCERS = {
 # blocks of each kernel by how they are mapped to threads
 _ELEMENTWISE = ("Q_load", "K_load", "V_load", "dO_load", "row_load", "stats_init", "P",
                 "rescale", "stats_update", "lsum_update", "dS", "lse_store", "stats_store")
+_TILE_LOADS = ("Q_load", "K_load", "V_load", "dO_load")  # vector copies with tensor cores
+VECTOR_BYTES = 16  # CUDA's widest load and store (rows of 16-bit tiles: D and pad multiples of 8)
 _ROW_REDUCTIONS = ("row_max", "row_sum")
 _SHARED_GEMMS = ("S_gemm", "dP_gemm", "St_gemm", "dPt_gemm")
 # GEMMs whose product only feeds a running sum (SIMT: in registers, mapped like the sum)
@@ -215,6 +217,19 @@ def _spread(sch: s_tir.Schedule, name: str, warps: bool = False) -> None:
     _bind_threads(sch, t, warps)
 
 
+def _vector_copy(sch: s_tir.Schedule, name: str, lanes: int) -> None:
+    """Tile load in vectors of ``lanes`` elements: each thread copies whole vectors of one row
+    (one 16-byte load and store), consecutive threads consecutive vectors. The row guard
+    (rows past the sequence end are zero) then holds for a whole vector, which stays one
+    vector instruction; a guard per element would be scalarized."""
+    block = sch.get_sblock(name)
+    rows, cols = _own_loops(sch, block)
+    vectors, lane = sch.split(cols, [None, lanes])
+    _, t = sch.split(sch.fuse(rows, vectors), [None, THREADS])
+    _bind_threads(sch, t, True)
+    sch.vectorize(lane)
+
+
 def _rows(sch: s_tir.Schedule, name: str, warps: bool = False) -> None:
     """Row reduction: one thread per row, the reduction serial in a register, then stored."""
     block = sch.get_sblock(name)
@@ -304,7 +319,11 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
     sch.bind(block_loop, "blockIdx.x")
     apply_unroll(sch, block_loop, decisions["unroll"], SPACE["unroll"])
     for name in _ELEMENTWISE:
-        if has_block(sch, name):
+        if not has_block(sch, name):
+            continue
+        if warps and name in _TILE_LOADS:
+            _vector_copy(sch, name, VECTOR_BYTES // 2)
+        else:
             _spread(sch, name, warps)
     for name in _ROW_REDUCTIONS:
         if has_block(sch, name):
@@ -313,7 +332,7 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
         if not has_block(sch, name):
             continue
         if warps:
-            tensor_core.gemm(sch, name, key.dtype)
+            tensor_core.gemm(sch, name, key.dtype, PAD)
         elif name in _SHARED_GEMMS:
             _micro_tile(sch, name, to_registers=True, tc=decisions["tc"])
         else:

@@ -18,6 +18,8 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.s_tir.tensor_intrin import cuda as cuda_intrins
 
+from .common import align_rows
+
 FRAG = 16  # WMMA m = n = k
 WARPS = 4
 WARP_SIZE = 32
@@ -43,13 +45,13 @@ def _intrin(kind: str, dtype: str, scope: str, **variant) -> str:
     return name
 
 
-def gemm(sch: s_tir.Schedule, name: str, dtype: str) -> None:
+def gemm(sch: s_tir.Schedule, name: str, dtype: str, pad: int) -> None:
     """Run the GEMM block ``name`` (C = A B or A B^T, operands and C in shared memory) on
     tensor cores. Threads must be bound as (threadIdx.y, threadIdx.x) = (WARPS, 32).
 
-    C's rows are not padded: ``tensorize`` replaces the write-back block and with it a padding
-    annotation set there (docs/perf.md, v3: the row statistics then read C with 32-way bank
-    conflicts; padding it is a next step)."""
+    C's rows are padded by ``pad`` float32 elements (a WMMA row stride must be a multiple of 4):
+    the row statistics read C one thread per row, and unpadded rows of 64 or 128 floats would
+    all start in the same shared-memory bank (32-way conflicts; docs/perf.md, v4)."""
     block = sch.get_sblock(name)
     stmt = sch.get(block)
     out = stmt.writes[0].source
@@ -82,7 +84,10 @@ def gemm(sch: s_tir.Schedule, name: str, dtype: str) -> None:
     rows, cols = sch.get_loops(acc)[-2:]
     c0, c1 = sch.split(cols, [None, FRAG])
     sch.reorder(c0, rows, c1)
+    write_back = sch.get(acc).name_hint
     sch.tensorize(rows, _intrin("store", dtype, out.scope()))
+    # the padding goes on the block tensorize leaves (it drops annotations of the one it replaces)
+    align_rows(sch, sch.get_sblock(write_back + "_o"), 0, int(out.shape[1]), pad)
 
 
 def _read_index(stmt, buf) -> int:

@@ -147,6 +147,17 @@ def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
     return dq, dk, dv, dsinks
 
 
+VECTOR_ALIGN = 16
+"""Bytes the kernels' vector loads (CUDA: 16-byte tile rows) need a tensor's data to be
+aligned to. A tensor at another address (a view with an odd storage offset) is copied."""
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and ``VECTOR_ALIGN``-aligned: itself when it is, else a copy."""
+    t = t.contiguous()
+    return t if t.data_ptr() % VECTOR_ALIGN == 0 else t.clone()
+
+
 # ----------------------------------------------------------------------- torch custom ops
 # Opaque to torch.compile (no graph break), with fake impls for tracing and an autograd
 # formula that calls the backward op.
@@ -155,7 +166,7 @@ def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
 @torch.library.custom_op("tvm_flash::fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
             causal: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_forward(q.contiguous(), k.contiguous(), v.contiguous(), sinks, causal, scale)
+    return flash_forward(_dense(q), _dense(k), _dense(v), sinks, causal, scale)
 
 
 # Fakes return contiguous tensors, as the real ops do whatever the input strides are.
@@ -168,8 +179,8 @@ def _(q, k, v, sinks, causal, scale):
 def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, causal: str,
             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_backward(do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-                          out.contiguous(), lse.contiguous(), sinks, causal, scale)
+    return flash_backward(_dense(do), _dense(q), _dense(k), _dense(v), _dense(out),
+                          lse.contiguous(), sinks, causal, scale)
 
 
 @_bwd_op.register_fake
@@ -279,7 +290,8 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
 
     q, k, v are float16, bfloat16 or float32 on one CPU or CUDA device; D is one of
     ``tvm_flash.HEAD_DIMS``. Accumulation is float32. Non-contiguous inputs are copied to a
-    contiguous layout first. The backward is deterministic (no atomics).
+    contiguous layout first, as are tensors whose data is not 16-byte aligned. The backward
+    is deterministic (no atomics).
     """
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment: {causal_alignment!r} is not one of "
