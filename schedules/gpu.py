@@ -41,6 +41,13 @@ class GpuParams:
     why_max_head_dim: str = ""
     bf16_bytes: int = 2  # on-chip bytes of a bf16 element (4 where TVM legalizes bf16 to f32)
     tensor_cores: int = 0  # on-chip bytes a tensor-core block may use; 0: no tensor cores
+    sm_shared: int = 0  # shared memory of one SM (tensor-core targets)
+
+    @property
+    def pair_budget(self) -> int:
+        """Shared-memory bytes a block may use so that two blocks fit one SM (the driver
+        reserves 1 KiB of each block's)."""
+        return self.sm_shared // 2 - 1024
 
 _ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 _CANDIDATES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16), (16, 8), (8, 16))
@@ -123,8 +130,12 @@ def _tensor_core_tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
             or key.op not in _TC_CANDIDATES or key.head_dim > _TC_MAX_HEAD_DIM
             or key.head_dim % tensor_core.FRAG):
         return []
-    return [TileConfig(bq, bk) for bq, bk in _TC_CANDIDATES[key.op]
+    fits = [(bq, bk) for bq, bk in _TC_CANDIDATES[key.op]
             if _tc_footprint(key.op, key.head_dim, bq, bk) <= params.tensor_cores]
+    # tiles with which two blocks share an SM first: at one block (4 warps) per SM the
+    # kernels wait on memory latency with nothing else to run (ncu, docs/perf.md v4)
+    pairs = [t for t in fits if _tc_footprint(key.op, key.head_dim, *t) <= params.pair_budget]
+    return [TileConfig(bq, bk) for bq, bk in pairs + [t for t in fits if t not in pairs]]
 
 
 def tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
