@@ -314,9 +314,9 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
     warps = tile in _tensor_core_tiles(key, params)
     scopes = {b: params.smem_scope for b in producers}
     if warps:
-        # tensor cores: 16-bit operand rows padded for WMMA (the float32 GEMM outputs stay
-        # unpadded, see tensor_core.gemm); the GEMM products go to shared memory for the
-        # updates; operand tiles loaded once before the loop live in static shared memory
+        # tensor cores: 16-bit operand rows padded for WMMA (tensor_core.gemm pads the float32
+        # GEMM outputs itself); the GEMM products go to shared memory for the updates; operand
+        # tiles loaded once before the loop live in static shared memory
         pad_rows(sch, producers, [b for b in _PADDED if b in producers and b not in _FLOAT32],
                  _TC_PAD)
         scopes.update({b: "local" for b in _REGISTERS if b in producers})
