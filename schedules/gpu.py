@@ -130,12 +130,13 @@ def _tensor_core_tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
             or key.op not in _TC_CANDIDATES or key.head_dim > _TC_MAX_HEAD_DIM
             or key.head_dim % tensor_core.FRAG):
         return []
-    fits = [(bq, bk) for bq, bk in _TC_CANDIDATES[key.op]
-            if _tc_footprint(key.op, key.head_dim, bq, bk) <= params.tensor_cores]
-    # tiles with which two blocks share an SM first: at one block (4 warps) per SM the
-    # kernels wait on memory latency with nothing else to run (ncu, docs/perf.md v4)
-    pairs = [t for t in fits if _tc_footprint(key.op, key.head_dim, *t) <= params.pair_budget]
-    return [TileConfig(bq, bk) for bq, bk in pairs + [t for t in fits if t not in pairs]]
+    size = {t: _tc_footprint(key.op, key.head_dim, *t) for t in _TC_CANDIDATES[key.op]}
+    fits = [t for t in _TC_CANDIDATES[key.op] if size[t] <= params.tensor_cores]
+    # tiles with which two blocks share an SM first (a stable sort keeps largest first within
+    # each group): at one block (4 warps) per SM the kernels wait on memory latency with
+    # nothing else to run (ncu, docs/perf.md v4)
+    fits.sort(key=lambda t: size[t] > params.pair_budget)
+    return [TileConfig(bq, bk) for bq, bk in fits]
 
 
 def tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
@@ -333,7 +334,7 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
         if not has_block(sch, name):
             continue
         if warps and name in _TILE_LOADS:
-            _vector_copy(sch, name, VECTOR_BYTES // 2)
+            _vector_copy(sch, name, VECTOR_BYTES // _ESIZE[key.dtype])
         else:
             _spread(sch, name, warps)
     for name in _ROW_REDUCTIONS:
