@@ -166,7 +166,7 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
 
     Named blocks: ``tile``, ``Q_load``, ``dO_load``, ``row_load``, ``acc_init``, ``K_load``,
     ``V_load``, ``S_gemm``, ``dP_gemm``, ``dS`` (P and dS elementwise), ``dQ_gemm`` (dQp = dS K),
-``dQ_update`` (acc += dQp), ``dQ_store``.
+    ``dQ_update`` (acc += dQp), ``dQ_store``.
     """
     D, BQ = head_dim, tile.block_q
     f32 = "float32"
