@@ -4,6 +4,9 @@ For each target kind :func:`for_target` gives an object with ``tile_config(key) 
 (the tile shape the kernel factory is asked for) and ``schedule(sch, key, tile) -> Schedule``
 (loop transformations that find the kernel's blocks by name): the CPU module itself, or the
 ``SCHEDULE`` of a GPU target module (``gpu.GpuSchedule`` with that target's parameters).
+A schedule may also offer ``lowered(key) -> PrimFunc | None``: a kernel it writes out at warp
+level itself (CUDA's ``mma.sync`` kernels, :mod:`.cuda_mma`), used instead of scheduling the
+factory's.
 Installed as ``tvm_flash.schedules``.
 """
 
@@ -20,3 +23,16 @@ def for_target(kind: str):
         raise ValueError(f"target: no schedules for target kind {kind!r}; have {sorted(_BY_KIND)}")
     module = import_module(f"{__name__}.{_BY_KIND[kind]}")
     return getattr(module, "SCHEDULE", module)
+
+
+def lowered(kind: str, key):
+    """The hand-lowered kernel of ``key`` on a target kind, or None (see the module doc)."""
+    hook = getattr(for_target(kind), "lowered", None)
+    return hook(key) if hook else None
+
+
+def lowers(kind: str, key) -> bool:
+    """Whether the target kind's schedule writes ``key``'s kernel out itself (no factory, no
+    tuning space)."""
+    hook = getattr(for_target(kind), "lowers", None)
+    return bool(hook and hook(key))

@@ -154,7 +154,8 @@ def main(argv=None) -> int:
                 continue
             entries.append(entry)
             how = (f"tuned {entry['tuned']['tile']} {entry['tuned']['decisions']}"
-                   if key in tuned else "default")
+                   if key in tuned else "warp-level mma.sync kernel, not tuned"
+                   if schedules.lowers(target_kind(key.target), key) else "default")
             print(f"[{i:3}/{len(keys)}] {key.name}  {secs:.1f}s  ({how})", flush=True)
     if failures:
         print(f"error: {len(failures)} of {len(keys)} kernels failed; manifest not written",

@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tvm_flash import tuning  # noqa: E402
-from tvm_flash.build import parse_target  # noqa: E402
+from tvm_flash.build import parse_target, schedules, target_kind  # noqa: E402
 from tvm_flash.key import CAUSAL_MODES, DTYPES, KernelKey  # noqa: E402
 
 SHORT = {v: k for k, v in DTYPES.items()}
@@ -74,6 +74,10 @@ def main(argv=None) -> int:
             print(f"time budget spent: {len(keys) - i + 1} kernels not tuned")
             break
         print(f"[{i}/{len(keys)}] {key.name}", flush=True)
+        if schedules.lowers(target_kind(key.target), key):
+            print(f"  skipped: written out at warp level for {key.target} "
+                  "(schedules/cuda_mma.py), nothing to tune", flush=True)
+            continue
         if args.dry_run:
             tuning.dry_run(key)
         else:

@@ -86,9 +86,17 @@ def scheduled_module(key: KernelKey, tuned: dict | None = None) -> tvm.IRModule:
     """The kernel for ``key`` with its target's schedule applied (not yet compiled).
 
     ``tuned``: ``{"tile": [block_q, block_k], "decisions": {...}}`` from a tuning log
-    (:func:`tvm_flash.tuning.load_tuned`); default: the hand-chosen tile and decisions.
+    (:func:`tvm_flash.tuning.load_tuned`); default: the hand-chosen tile and decisions. Where
+    the target's schedule writes the kernel out itself (``schedules.lowered``) that kernel is
+    used as it is.
     """
-    sched = schedules.for_target(target_kind(key.target))
+    kind = target_kind(key.target)
+    func = schedules.lowered(kind, key)
+    if func is not None:
+        if tuned:
+            raise ValueError(f"{key.name}: a hand-lowered kernel; tuning logs do not apply")
+        return tvm.IRModule({"main": func})
+    sched = schedules.for_target(kind)
     tile = TileConfig(*tuned["tile"]) if tuned else sched.tile_config(key)
     sch = tvm.s_tir.Schedule(FACTORIES[key.op](key, tile))
     sched.schedule(sch, key, tile, tuned["decisions"] if tuned else None)

@@ -15,6 +15,10 @@ workload IR itself, ~300 KB per tile, is regenerated from the key when a run res
 ``summary.json`` (the best choice, its time, trials, date, device, versions).
 ``scripts/build.py`` uses ``summary.json`` after checking the whole log (:func:`load_tuned`).
 
+Kernels a target's schedule writes out itself (CUDA's warp-level ``mma.sync`` kernels,
+``schedules.lowers``) have no factory to search around: tuning refuses them and a log for one is
+refused.
+
 Lengths: kernels take every length symbolically; tuning measures one representative shape per
 length bucket. There is one bucket for now, ``any`` (GPU: B = 2, 16 query heads,
 Lq = Lk = 4096; CPU: B = 1, 4 heads, 256), which every runtime length uses.
@@ -172,6 +176,7 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
     summary."""
     from tvm.s_tir import meta_schedule as ms
 
+    _refuse_lowered(key)
     sched = schedules.for_target(target_kind(key.target))
     directory = log_dir(root, key)
     directory.mkdir(parents=True, exist_ok=True)
@@ -210,6 +215,12 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
     (directory / SUMMARY).write_text(json.dumps(summary, indent=1, sort_keys=True))
     log(f"{key.name}: best {summary['best']} of {len(records)} measured candidates")
     return summary
+
+
+def _refuse_lowered(key: KernelKey) -> None:
+    if schedules.lowers(target_kind(key.target), key):
+        raise TuningLogError(f"{key.name}: written out at warp level by the {key.target} schedule "
+                             "(schedules/cuda_mma.py); there is no search space to tune")
 
 
 def _workload_index(path: pathlib.Path, key: KernelKey, shape: dict | None) -> list[dict]:
@@ -289,6 +300,7 @@ def load_tuned(root: str | os.PathLike, key: KernelKey) -> dict | None:
     summary_path = directory / SUMMARY
     if not summary_path.exists():
         return None
+    _refuse_lowered(key)
     try:
         summary = json.loads(summary_path.read_text())
         best = summary["best"]
@@ -331,6 +343,7 @@ def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None):
 def dry_run(key: KernelKey, log=print) -> int:
     """Generate every design space of ``key`` and build each with its first sampled decisions,
     measuring nothing (for targets this machine cannot run, e.g. Metal on Linux)."""
+    _refuse_lowered(key)
     sched = schedules.for_target(target_kind(key.target))
     built = 0
     for tile in sched.tiles(key):
