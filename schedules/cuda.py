@@ -2,10 +2,11 @@
 
 fp16/bf16 forward, dQ and dK/dV with head dims up to 128 run the warp-level ``mma.sync``
 kernels of :mod:`.cuda_mma` (S, P and the running sums in registers, ``cp.async`` double
-buffering); everything else — fp32, other head dims, the short-query and merge kernels — is
-scheduled from the kernel factories by the GPU schedule: WMMA tensor cores for fp16/bf16 (up to
-160 KiB of shared memory per block, tiles with which two blocks share an sm_90 SM first) and
-the SIMT schedule otherwise (up to 100 KiB per block).
+buffering); everything else — fp32, larger head dims, the short-query and merge kernels — is
+scheduled from the kernel factories by the SIMT GPU schedule (up to 100 KiB of dynamic shared
+memory per block, two blocks per SM). The block-level WMMA schedule that preceded the
+warp-level kernels (docs/perf.md v3, v4) was removed with them: on sm_80+ it no longer served
+any kernel.
 """
 
 from __future__ import annotations
@@ -32,5 +33,4 @@ class CudaSchedule(gpu.GpuSchedule):
 
 
 SCHEDULE = CudaSchedule(gpu.GpuParams(name="CUDA", smem_budget=100 * 1024,
-                                      smem_scope="shared.dyn", tensor_cores=160 * 1024,
-                                      sm_shared=228 * 1024))
+                                      smem_scope="shared.dyn"))

@@ -1,9 +1,9 @@
 """CUDA (sm_80+, fp16/bf16): forward, dQ and dK/dV written at warp level on ``mma.sync``.
 
 Why these kernels are written here and not scheduled from ``tvm_flash.kernels``: block-level
-tensorization (WMMA through ``tensor_core.gemm``) keeps a GEMM's product in an opaque fragment,
-so S, P and every partial product made a float32 round trip through shared memory; at best
-that reached 0.23x the FlashAttention-2 forward (docs/perf.md, v4). Here each warp owns 16 rows
+tensorization (the WMMA schedule of docs/perf.md v3/v4, since removed) keeps a GEMM's product in
+an opaque fragment, so S, P and every partial product made a float32 round trip through shared
+memory; at best that reached 0.23x the FlashAttention-2 forward. Here each warp owns 16 rows
 and holds its S, P, dP, dS and running sums in registers in the documented ``m16n8k16``
 accumulator layout, which is also the A-operand layout: P and dS feed the second GEMM without
 leaving the registers, and the row statistics need only two shuffles across the 4 lanes that
@@ -207,6 +207,7 @@ class _Fragments:
         self.copy_rows, self.mma, self.ld_a = copy_rows, mma, ld_a
         self.gemm_nt, self.gemm_nn, self.quad_reduce = gemm_nt, gemm_nn, quad_reduce
         self.zero, self.store_rows = zero, store_rows
+        self.ready = _ready(tile.stages)
 
 
 def _mask_needed(causal: str, first_row, rows: int, first_col, cols: int, col_end, lq, lk,
@@ -225,12 +226,51 @@ def _offset(causal, lq, lk):
     return lk - lq if causal == "bottom-right" else T.int64(0)
 
 
+class _KeyWalk:
+    """Macros of the kernels whose block owns a query tile and walks the key tiles (forward,
+    dQ): its coordinates, and the ``cp.async`` pipeline over K/V stages."""
+
+    def __init__(self, f: _Fragments, key: KernelKey, tile: MmaTile):
+        BQ, BK, stages, causal, group = tile.rows, tile.step, tile.stages, key.causal, key.group
+
+        @T.macro
+        def coords(c, bx, nqt, Hq, Lq, Lk):
+            """``c``: batch, head, kv head, first query row, key tiles to walk."""
+            c[3] = (nqt - 1 - bx % nqt) * BQ  # the longest causal tiles first
+            c[0] = bx // nqt // Hq
+            c[1] = bx // nqt % Hq
+            c[2] = c[1] // group
+            c[4] = num_key_tiles(causal, c[3], BQ, Lq, Lk, BK, T.int64(0), Lk)
+
+        @T.macro
+        def prefetch(Ks, Vs, K, V, c, t, Lk, tx):
+            """Start copying key tile ``t`` (if there is one) into its stage; one commit group
+            either way, so that ``ready`` always waits for the right one."""
+            if t < c[4]:
+                f.copy_rows(Ks, t % stages * BK, K, c[0], c[2], t * BK, Lk, BK, tx, True)
+                f.copy_rows(Vs, t % stages * BK, V, c[0], c[2], t * BK, Lk, BK, tx, True)
+            T.ptx.cp.async_.commit_group()
+
+        self.coords, self.prefetch, self.ready = coords, prefetch, f.ready
+
+
+def _ready(stages: int):
+    @T.macro
+    def ready():
+        """Wait for the oldest stage in flight, then for every thread's copies of it."""
+        T.ptx.cp.async_.wait_group(stages - 1)
+        T.tvm_storage_sync("shared")
+
+    return ready
+
+
 def flash_forward(key: KernelKey, tile: MmaTile):
     """``flash_fwd(q, k, v, sinks, o, lse, scale)`` as ``kernels.forward.flash_forward``."""
-    D, dtype, causal, group, sinks = key.head_dim, key.dtype, key.causal, key.group, key.sinks
+    D, dtype, causal, sinks = key.head_dim, key.dtype, key.causal, key.sinks
     W, BQ, BK, stages = tile.warps, tile.rows, tile.step, tile.stages
     NT = W * WARP
     f = _Fragments(D, dtype, tile)
+    walk = _KeyWalk(f, key, tile)
     NS, NO = BK // 8, D // 8  # n-tiles of S and of O
 
     @T.prim_func
@@ -258,23 +298,15 @@ def flash_forward(key: KernelKey, tile: MmaTile):
         m = T.alloc_buffer((2,), F32, scope="local")
         mn = T.alloc_buffer((2,), F32, scope="local")
         lsum = T.alloc_buffer((2,), F32, scope="local")
-        # c: batch, head, kv head, first query row, key tiles
         c = T.alloc_buffer((5,), "int64", scope="local")
-        c[3] = (nqt - 1 - bx % nqt) * BQ  # the longest causal tiles first
-        c[0] = bx // nqt // Hq
-        c[1] = bx // nqt % Hq
-        c[2] = c[1] // group
-        c[4] = num_key_tiles(causal, c[3], BQ, Lq, Lk, BK, T.int64(0), Lk)
+        walk.coords(c, bx, nqt, Hq, Lq, Lk)
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
         row = T.meta_var(c[3] + w * 16 + lane // 4)  # + 8 r: this lane's rows
 
         f.copy_rows(Qs, 0, Q, c[0], c[1], c[3], Lq, BQ, tx, False)
         for pt in T.unroll(stages - 1):
-            if T.int64(pt) < c[4]:
-                f.copy_rows(Ks, pt * BK, K, c[0], c[2], T.int64(pt * BK), Lk, BK, tx, True)
-                f.copy_rows(Vs, pt * BK, V, c[0], c[2], T.int64(pt * BK), Lk, BK, tx, True)
-            T.ptx.cp.async_.commit_group()
+            walk.prefetch(Ks, Vs, K, V, c, T.int64(pt), Lk, tx)
         T.tvm_storage_sync("shared")
         for kk in T.unroll(D // 16):
             f.ld_a(qf, kk * 8, Qs, w * 16, kk * 16, lane)
@@ -289,13 +321,8 @@ def flash_forward(key: KernelKey, tile: MmaTile):
 
         for kt in T.serial(c[4]):
             k0 = T.meta_var(kt * BK)
-            ahead = T.meta_var(kt + stages - 1)
-            if ahead < c[4]:
-                f.copy_rows(Ks, ahead % stages * BK, K, c[0], c[2], ahead * BK, Lk, BK, tx, True)
-                f.copy_rows(Vs, ahead % stages * BK, V, c[0], c[2], ahead * BK, Lk, BK, tx, True)
-            T.ptx.cp.async_.commit_group()
-            T.ptx.cp.async_.wait_group(stages - 1)
-            T.tvm_storage_sync("shared")
+            walk.prefetch(Ks, Vs, K, V, c, kt + stages - 1, Lk, tx)
+            walk.ready()
             f.zero(s, NS * 4)
             f.gemm_nt(s, qf, None, 0, Ks, kt % stages * BK, BK, bf, lane)
             for i in T.unroll(NS * 4):
@@ -355,10 +382,11 @@ def _prob(s, scale, lse):
 
 def flash_dq(key: KernelKey, tile: MmaTile):
     """``flash_dq(q, k, v, do, lse, delta, dq, scale)`` as ``kernels.backward.flash_dq``."""
-    D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
+    D, dtype, causal = key.head_dim, key.dtype, key.causal
     W, BQ, BK, stages = tile.warps, tile.rows, tile.step, tile.stages
     NT = W * WARP
     f = _Fragments(D, dtype, tile)
+    walk = _KeyWalk(f, key, tile)
     NS, NO = BK // 8, D // 8
 
     @T.prim_func
@@ -388,11 +416,7 @@ def flash_dq(key: KernelKey, tile: MmaTile):
         lse = T.alloc_buffer((2,), F32, scope="local")
         delta = T.alloc_buffer((2,), F32, scope="local")
         c = T.alloc_buffer((5,), "int64", scope="local")
-        c[3] = (nqt - 1 - bx % nqt) * BQ
-        c[0] = bx // nqt // Hq
-        c[1] = bx // nqt % Hq
-        c[2] = c[1] // group
-        c[4] = num_key_tiles(causal, c[3], BQ, Lq, Lk, BK, T.int64(0), Lk)
+        walk.coords(c, bx, nqt, Hq, Lq, Lk)
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
         row = T.meta_var(c[3] + w * 16 + lane // 4)
@@ -400,10 +424,7 @@ def flash_dq(key: KernelKey, tile: MmaTile):
         f.copy_rows(Qs, 0, Q, c[0], c[1], c[3], Lq, BQ, tx, False)
         f.copy_rows(dOs, 0, dO, c[0], c[1], c[3], Lq, BQ, tx, False)
         for pt in T.unroll(stages - 1):
-            if T.int64(pt) < c[4]:
-                f.copy_rows(Ks, pt * BK, K, c[0], c[2], T.int64(pt * BK), Lk, BK, tx, True)
-                f.copy_rows(Vs, pt * BK, V, c[0], c[2], T.int64(pt * BK), Lk, BK, tx, True)
-            T.ptx.cp.async_.commit_group()
+            walk.prefetch(Ks, Vs, K, V, c, T.int64(pt), Lk, tx)
         for r in T.unroll(2):
             lse[r] = neg_inf()
             delta[r] = T.float32(0)
@@ -414,13 +435,8 @@ def flash_dq(key: KernelKey, tile: MmaTile):
 
         for kt in T.serial(c[4]):
             k0 = T.meta_var(kt * BK)
-            ahead = T.meta_var(kt + stages - 1)
-            if ahead < c[4]:
-                f.copy_rows(Ks, ahead % stages * BK, K, c[0], c[2], ahead * BK, Lk, BK, tx, True)
-                f.copy_rows(Vs, ahead % stages * BK, V, c[0], c[2], ahead * BK, Lk, BK, tx, True)
-            T.ptx.cp.async_.commit_group()
-            T.ptx.cp.async_.wait_group(stages - 1)
-            T.tvm_storage_sync("shared")
+            walk.prefetch(Ks, Vs, K, V, c, kt + stages - 1, Lk, tx)
+            walk.ready()
             f.zero(s, NS * 4)
             f.gemm_nt(s, None, Qs, w * 16, Ks, kt % stages * BK, BK, bf, lane)
             f.zero(dp, NS * 4)
@@ -533,8 +549,7 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
                 load_step(Qs, dOs, stats, Q, dO, LSE, Delta, c[0], c[1] * group + ahead // c[4],
                           (c[3] + ahead % c[4]) * BQ, Lq, ahead % stages, tx)
             T.ptx.cp.async_.commit_group()
-            T.ptx.cp.async_.wait_group(stages - 1)
-            T.tvm_storage_sync("shared")
+            f.ready()
             sq = T.meta_var(i % stages * BQ)  # this step's rows of Qs / dOs
             ss = T.meta_var(i % stages * 2 * BQ)  # and of stats
             # S^T = K Q^T, P^T recomputed from the LSE of each column (query)

@@ -7,10 +7,9 @@ micro-tile of its output; row statistics (max, sum, LSE, Delta) sit in shared me
 thread per row. The tile is the largest candidate whose on-chip footprint fits the target's
 budget; a kernel that fits none is refused with the bytes it would need.
 
-Where the target has them (CUDA, fp16/bf16, D <= 128) the GEMM blocks run on tensor cores
-instead (``tensor_core.gemm``): the threads are then bound as (warp, lane), every other block
-keeps its thread-to-element map, and the GEMM products go to shared memory for the updates.
-Simdgroup matrices (Metal), asynchronous copies and swizzled layouts slot in the same way.
+On CUDA, fp16/bf16 forward, dQ and dK/dV run warp-level tensor-core kernels instead
+(``cuda_mma``); this schedule serves the rest there (fp32, head dims above 128, the short-query
+and merge kernels) and every Metal kernel.
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ from tvm import s_tir
 from tvm_flash.kernels.common import TileConfig
 from tvm_flash.key import MERGE_OPS, PACKED_BASE, KernelKey
 
-from . import tensor_core
 from .common import apply_unroll, has_block, pad_rows, set_scopes
 
-THREADS = tensor_core.WARPS * tensor_core.WARP_SIZE  # 128, as (warp, lane) with tensor cores
+THREADS = 128
 ACC_BUDGET = 128  # fp32 accumulator elements per thread
 PAD = 4  # elements of padding per shared row
 
@@ -40,14 +38,6 @@ class GpuParams:
     max_head_dim: int = 256  # larger head dims are refused (see ``why_max_head_dim``)
     why_max_head_dim: str = ""
     bf16_bytes: int = 2  # on-chip bytes of a bf16 element (4 where TVM legalizes bf16 to f32)
-    tensor_cores: int = 0  # on-chip bytes a tensor-core block may use; 0: no tensor cores
-    sm_shared: int = 0  # shared memory of one SM (tensor-core targets)
-
-    @property
-    def pair_budget(self) -> int:
-        """Shared-memory bytes a block may use so that two blocks fit one SM (the driver
-        reserves 1 KiB of each block's)."""
-        return self.sm_shared // 2 - 1024
 
 _ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 _CANDIDATES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16), (16, 8), (8, 16))
@@ -71,8 +61,6 @@ _PRODUCERS = {
 # blocks of each kernel by how they are mapped to threads
 _ELEMENTWISE = ("Q_load", "K_load", "V_load", "dO_load", "row_load", "stats_init", "P",
                 "rescale", "stats_update", "lsum_update", "dS", "lse_store", "stats_store")
-_TILE_LOADS = ("Q_load", "K_load", "V_load", "dO_load")  # vector copies with tensor cores
-VECTOR_BYTES = 16  # CUDA's widest load and store (rows of 16-bit tiles: D and pad multiples of 8)
 _ROW_REDUCTIONS = ("row_max", "row_sum")
 _SHARED_GEMMS = ("S_gemm", "dP_gemm", "St_gemm", "dPt_gemm")
 # GEMMs whose product only feeds a running sum (SIMT: in registers, mapped like the sum)
@@ -82,19 +70,6 @@ _REGISTER_TILES = ("acc_init", "O_update", "O_store", "dQ_update", "dQ_store", "
                    "dK_update", "dK_store", "dV_store", "part_store")
 _REGISTERS = ("acc", "dk_acc", "dv_acc")
 _PADDED = ("Qs", "Ks", "Vs", "dOs", "S", "P", "dP", "dS", "St", "Pt", "dPt", "dSt")
-_FLOAT32 = ("S", "dP", "St", "dPt") + _PARTS  # on-chip float32 tiles; the rest: input dtype
-
-# Tensor cores (fp16/bf16 on CUDA): every GEMM's rows split over the 4 warps in 16-row bands
-_TC_CANDIDATES = {"fwd": ((64, 64), (64, 32)), "dq": ((64, 64), (64, 32)),
-                  "dkv": ((64, 64), (32, 64))}
-_TC_MAX_HEAD_DIM = 128  # above it the running sums and fragments outgrow the registers
-_TC_PAD = 8  # 16-bit rows: a WMMA row stride must be a multiple of 8 elements
-# Operand tiles a kernel loads once, before its loop, and then reads only through tensor-core
-# fragments. TVM's dynamic shared-memory planner does not see fragment accesses, takes such a
-# tile for dead after its load and lets later tiles reuse its memory; static shared memory
-# (at most 48 KiB, not merged) keeps it.
-_STATIC = {"fwd": ("Qs",), "dq": ("Qs", "dOs"), "dkv": ("Ks", "Vs")}
-
 
 def _operand_rows(op: str, bq: int, bk: int) -> int:
     """Rows of the input-dtype operand tiles (Q, K, V, dO) a kernel keeps on chip."""
@@ -113,32 +88,6 @@ def _footprint(op: str, d: int, esize: int, bq: int, bk: int) -> tuple[int, int]
     return smem, acc
 
 
-def _tc_footprint(op: str, d: int, bq: int, bk: int) -> int:
-    """Shared-memory bytes of a tensor-core tile: 16-bit operands, float32 S-type tiles and
-    GEMM products, all with padded rows."""
-    s_rows, s_cols = (bk, bq) if op == "dkv" else (bq, bk)
-    n_s, n_p, n_parts = {"fwd": (1, 1, 1), "dq": (2, 1, 1), "dkv": (2, 2, 2)}[op]
-    return (_operand_rows(op, bq, bk) * (d + _TC_PAD) * 2 + n_s * s_rows * (s_cols + PAD) * 4
-            + n_p * s_rows * (s_cols + _TC_PAD) * 2 + n_parts * s_rows * (d + PAD) * 4
-            + 5 * bq * 4)
-
-
-def _tensor_core_tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
-    """The tensor-core tiles that fit, largest first; empty where tensor cores do not apply
-    (fp32, short-query and merge kernels, head dims above 128 or not a multiple of 16)."""
-    if (not params.tensor_cores or key.dtype not in tensor_core.DTYPES
-            or key.op not in _TC_CANDIDATES or key.head_dim > _TC_MAX_HEAD_DIM
-            or key.head_dim % tensor_core.FRAG):
-        return []
-    size = {t: _tc_footprint(key.op, key.head_dim, *t) for t in _TC_CANDIDATES[key.op]}
-    fits = [t for t in _TC_CANDIDATES[key.op] if size[t] <= params.tensor_cores]
-    # tiles with which two blocks share an SM first (a stable sort keeps largest first within
-    # each group): at one block (4 warps) per SM the kernels wait on memory latency with
-    # nothing else to run (ncu, docs/perf.md v4)
-    fits.sort(key=lambda t: size[t] > params.pair_budget)
-    return [TileConfig(bq, bk) for bq, bk in fits]
-
-
 def tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
     """Every tile that fits the on-chip memory and register budgets, largest first."""
     if key.head_dim > params.max_head_dim:
@@ -146,9 +95,6 @@ def tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
                          f"{params.max_head_dim}): {params.why_max_head_dim}")
     if key.op in MERGE_OPS:
         return [TileConfig(THREADS, THREADS)]
-    tc_tiles = _tensor_core_tiles(key, params)
-    if tc_tiles:
-        return tc_tiles
     esize = _element_bytes(key.dtype, params)
     op = PACKED_BASE.get(key.op, key.op)
     fits = []
@@ -209,54 +155,25 @@ def _thread_grid(rows: int, cols: int, tc: int = DEFAULTS["tc"]) -> tuple[int, i
     return tr, tc
 
 
-def _bind_threads(sch: s_tir.Schedule, loop, warps: bool) -> None:
-    """Bind a loop of THREADS iterations to the threads: ``threadIdx.x`` alone, or with
-    ``warps`` as (threadIdx.y, threadIdx.x) = (warp, lane), as warp-level tensor-core
-    operations need (the same thread gets the same iteration either way)."""
-    if warps:
-        ty, tx = sch.split(loop, [tensor_core.WARPS, tensor_core.WARP_SIZE])
-        sch.bind(ty, "threadIdx.y")
-        sch.bind(tx, "threadIdx.x")
-    else:
-        sch.bind(loop, "threadIdx.x")
-
-
-def _spread(sch: s_tir.Schedule, name: str, warps: bool = False) -> None:
+def _spread(sch: s_tir.Schedule, name: str) -> None:
     """Elementwise block: flatten its loops and deal iterations to threads round-robin."""
     block = sch.get_sblock(name)
     fused = sch.fuse(*_own_loops(sch, block))
     _, t = sch.split(fused, [None, THREADS])
-    _bind_threads(sch, t, warps)
+    sch.bind(t, "threadIdx.x")
 
 
-def _vector_copy(sch: s_tir.Schedule, name: str, lanes: int) -> None:
-    """Tile load in vectors of ``lanes`` elements: each thread copies whole vectors of one row
-    (one 16-byte load and store), consecutive threads consecutive vectors. The row guard
-    (rows past the sequence end are zero) then holds for a whole vector, which stays one
-    vector instruction; a guard per element would be scalarized."""
-    block = sch.get_sblock(name)
-    rows, cols = _own_loops(sch, block)
-    vectors, lane = sch.split(cols, [None, lanes])
-    _, t = sch.split(sch.fuse(rows, vectors), [None, THREADS])
-    _bind_threads(sch, t, True)
-    sch.vectorize(lane)
-
-
-def _rows(sch: s_tir.Schedule, name: str, warps: bool = False) -> None:
+def _rows(sch: s_tir.Schedule, name: str) -> None:
     """Row reduction: one thread per row, the reduction serial in a register, then stored."""
     block = sch.get_sblock(name)
     write_back = sch.cache_write(block, 0, "local")
     for blk in (block, write_back):
         _, t = sch.split(_own_loops(sch, blk)[0], [None, THREADS])
-        _bind_threads(sch, t, warps)
-    if warps:
-        # with fewer rows than threads the guard then encloses the whole row loop, not each
-        # step (a guard inside the loop leaves ThreadSync no place for its barriers)
-        sch.blockize(sch.get_loops(block)[-1])
+        sch.bind(t, "threadIdx.x")
 
 
 def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False,
-                tc: int = DEFAULTS["tc"], warps: bool = False) -> None:
+                tc: int = DEFAULTS["tc"]) -> None:
     """Give each thread a (rows/tr) x (cols/tc) piece of a block's 2-D output (a band of
     rows, every tc-th column).
 
@@ -278,7 +195,7 @@ def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False,
         sch.reorder(r_o, c_o, loops[2], r_i, c_i)
     else:
         sch.reorder(r_o, c_o, r_i, c_i)
-    _bind_threads(sch, sch.fuse(r_o, c_o), warps)
+    sch.bind(sch.fuse(r_o, c_o), "threadIdx.x")
     if len(loops) == 3:
         sch.unroll(r_i)
         sch.unroll(c_i)
@@ -288,7 +205,7 @@ def _micro_tile(sch: s_tir.Schedule, name, to_registers: bool = False,
             sch.decompose_reduction(block, loops[2])
     if write_back is not None:
         # the register partial sums go to shared memory with the same thread mapping
-        _micro_tile(sch, write_back, tc=tc, warps=warps)
+        _micro_tile(sch, write_back, tc=tc)
 
 
 def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuParams,
@@ -312,46 +229,26 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
         return sch
 
     producers = _PRODUCERS[PACKED_BASE.get(key.op, key.op)]
-    warps = tile in _tensor_core_tiles(key, params)
+    pad_rows(sch, producers, [b for b in _PADDED if b in producers], PAD)
     scopes = {b: params.smem_scope for b in producers}
-    if warps:
-        # tensor cores: 16-bit operand rows padded for WMMA (tensor_core.gemm pads the float32
-        # GEMM outputs itself); the GEMM products go to shared memory for the updates; operand
-        # tiles loaded once before the loop live in static shared memory
-        pad_rows(sch, producers, [b for b in _PADDED if b in producers and b not in _FLOAT32],
-                 _TC_PAD)
-        scopes.update({b: "local" for b in _REGISTERS if b in producers})
-        scopes.update({b: "shared" for b in _STATIC[PACKED_BASE.get(key.op, key.op)]})
-    else:
-        pad_rows(sch, producers, [b for b in _PADDED if b in producers], PAD)
-        scopes.update({b: "local" for b in _REGISTERS + _PARTS if b in producers})
+    scopes.update({b: "local" for b in _REGISTERS + _PARTS if b in producers})
     set_scopes(sch, scopes, producers)
 
     block_loop = sch.fuse(*sch.get_loops(sch.get_sblock("tile")))
     sch.bind(block_loop, "blockIdx.x")
     apply_unroll(sch, block_loop, decisions["unroll"], SPACE["unroll"])
     for name in _ELEMENTWISE:
-        if not has_block(sch, name):
-            continue
-        if warps and name in _TILE_LOADS:
-            _vector_copy(sch, name, VECTOR_BYTES // _ESIZE[key.dtype])
-        else:
-            _spread(sch, name, warps)
+        if has_block(sch, name):
+            _spread(sch, name)
     for name in _ROW_REDUCTIONS:
         if has_block(sch, name):
-            _rows(sch, name, warps)
-    for name in _SHARED_GEMMS + _PART_GEMMS:
-        if not has_block(sch, name):
-            continue
-        if warps:
-            tensor_core.gemm(sch, name, key.dtype, PAD)
-        elif name in _SHARED_GEMMS:
-            _micro_tile(sch, name, to_registers=True, tc=decisions["tc"])
-        else:
-            _micro_tile(sch, name, tc=decisions["tc"])
-    for name in _REGISTER_TILES:
+            _rows(sch, name)
+    for name in _SHARED_GEMMS:
         if has_block(sch, name):
-            _micro_tile(sch, name, tc=decisions["tc"], warps=warps)
+            _micro_tile(sch, name, to_registers=True, tc=decisions["tc"])
+    for name in _PART_GEMMS + _REGISTER_TILES:
+        if has_block(sch, name):
+            _micro_tile(sch, name, tc=decisions["tc"])
     return sch
 
 

@@ -1,5 +1,6 @@
 """Kernel structure, the raw kernel entry points with poisoned outputs, and input errors."""
 
+import importlib
 import math
 import re
 
@@ -10,7 +11,14 @@ from conftest import DEVICES
 
 from tvm_flash import KernelKey, attention, attention_reference
 from tvm_flash.artifacts import kernel
-from tvm_flash.build import make_target, scheduled_module, target_tag_for_device
+from tvm_flash.build import (
+    compile_module,
+    device_source,
+    make_target,
+    scheduled_module,
+    schedules,
+    target_tag_for_device,
+)
 from tvm_flash.kernels import FACTORIES, TileConfig
 from tvm_flash.key import MERGE_OPS, OPS
 
@@ -45,6 +53,38 @@ def test_schedules_build(target, op, d, dtype):
     """Every kernel schedules and lowers for every target (CUDA source made without a GPU)."""
     mod = scheduled_module(_key(op, d, dtype, target))
     tvm.tirx.build(mod, target=make_target(target))
+
+
+@pytest.mark.parametrize("target", ["cuda-sm_80", "cuda-sm_90"])
+@pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_tiled_kernels_are_warp_level_mma(target, op, dtype):
+    """fp16/bf16 forward, dQ and dK/dV on sm_80+ are the warp-level kernels of
+    schedules/cuda_mma.py: m16n8k16 tensor-core MMAs fed by ldmatrix, cp.async double buffering,
+    no WMMA fragments."""
+    key = _key(op, 64, dtype, target, "top-left", 2)
+    src = device_source(compile_module(key))
+    ptx = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32" in src
+    assert "ldmatrix.sync.aligned.m8n8.x4" in src and "cp.async.cg.shared.global" in src
+    assert "wmma" not in src
+
+
+@pytest.mark.parametrize("op,d,dtype,target", [
+    ("fwd", 64, "float32", "cuda-sm_90"),  # fp32: the SIMT schedule
+    ("fwd", 256, "bfloat16", "cuda-sm_90"),  # running sums too large for registers
+    ("fwd_split", 64, "bfloat16", "cuda-sm_90"),  # short-query path
+    ("dq", 64, "float16", "llvm"),
+])
+def test_other_kernels_are_scheduled_from_the_factories(op, d, dtype, target):
+    assert not schedules.lowers(target.split("-")[0], _key(op, d, dtype, target))
+
+
+def test_mma_tile_must_divide_over_the_threads():
+    mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
+    key = _key("dkv", 64, "bfloat16", "cuda-sm_90")
+    with pytest.raises(ValueError, match="do not divide over 256 threads"):
+        mma.flash_dkv(key, mma.MmaTile(warps=8, step=16))
 
 
 def _poisoned(shape, dtype, device):

@@ -128,3 +128,21 @@ def test_metal_tuning_dry_run():
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("design spaces generated and built") == 2
+
+
+def test_warp_level_kernels_are_not_tuned(tmp_path):
+    """CUDA's hand-lowered mma.sync kernels have no search space: tuning and logs refuse them,
+    scripts/tune.py says it skips them."""
+    key = KernelKey("fwd", 64, "bfloat16", "none", 1, "cuda-sm_90")
+    with pytest.raises(tuning.TuningLogError, match="warp level"):
+        tuning.tune(key, tmp_path, trials=4)
+    directory = tuning.log_dir(tmp_path, key)
+    directory.mkdir(parents=True)
+    (directory / "summary.json").write_text("{}")
+    with pytest.raises(tuning.TuningLogError, match="warp level"):
+        tuning.load_tuned(tmp_path, key)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target",
+                          "cuda:sm_90", "--kernels", "fwd", "--head-dims", "64", "--dtypes",
+                          "bf16", "--causal", "none", "--dry-run"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "skipped: written out at warp level" in res.stdout

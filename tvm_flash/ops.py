@@ -148,8 +148,9 @@ def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
 
 
 VECTOR_ALIGN = 16
-"""Bytes the kernels' vector loads (CUDA: 16-byte tile rows) need a tensor's data to be
-aligned to. A tensor at another address (a view with an odd storage offset) is copied."""
+"""Bytes the kernels' vector loads (CUDA: 16-byte ``cp.async`` / vector copies of tile rows)
+need a tensor's data to be aligned to. A tensor at another address (a view with an odd storage
+offset) is copied."""
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
