@@ -67,8 +67,10 @@ class MmaTile:
         """Refuse a tile whose copies do not divide over the threads (each thread copies whole
         16-byte vectors)."""
         threads = self.warps * WARP
+        if self.step % 16:
+            raise ValueError(f"mma tile {self}: the step must be a multiple of 16 rows")
         for rows in (self.rows, self.step):
-            if rows * head_dim // VEC % threads or self.step % 16:
+            if rows * head_dim // VEC % threads:
                 raise ValueError(f"mma tile {self}: {rows} rows of D={head_dim} do not divide "
                                  f"over {threads} threads in 16-byte copies")
 
@@ -88,9 +90,9 @@ def supports(key: KernelKey) -> bool:
 
 def tile(key: KernelKey) -> MmaTile:
     """Chosen from a sweep on the H200 (docs/perf.md v5): 4 warps with 64-row steps up to
-    D = 64 and 32-row steps above (64 at D = 128 costs the forward 15%), except dK/dV above
+    D = 64 and 32-row steps above (64 at D = 128 costs the forward 8-17%), except dK/dV above
     D = 64: 8 warps own 128 keys and take 64 queries a step (+16% over 4 warps x 32: the Q/dO
-    tiles serve twice the keys); two stages (three lose 0-40%)."""
+    tiles serve twice the keys); two stages (three measured from +1% to -38%)."""
     if key.op == "dkv" and key.head_dim > 64:
         return MmaTile(warps=8, step=64)
     return MmaTile(warps=4, step=64 if key.head_dim <= 64 else 32)
