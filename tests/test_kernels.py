@@ -3,6 +3,8 @@
 import importlib
 import math
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -68,6 +70,21 @@ def test_cuda_tiled_kernels_are_warp_level_mma(target, op, dtype):
     assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32" in src
     assert "ldmatrix.sync.aligned.m8n8.x4" in src and "cp.async.cg.shared.global" in src
     assert "wmma" not in src
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
+@pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_warp_level_kernels_do_not_spill(op, d, tmp_path):
+    """ptxas keeps every warp-level kernel in registers (a spill would cost more than any
+    tile choice gains; docs/perf.md v5 records the register counts)."""
+    src = tmp_path / "k.cu"
+    src.write_text(device_source(compile_module(_key(op, d, "bfloat16", "cuda-sm_90",
+                                                     "top-left", 1))))
+    res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
+                          str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize("op,d,dtype,target", [
