@@ -36,6 +36,17 @@ def test_long_sequence(dtype, causal, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [32, 96])
+@pytest.mark.parametrize("causal", ["none", "top-left"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_other_head_dims(dtype, causal, d, device):
+    """The head dims besides 64 and 128 that CUDA's warp-level kernels take (several key and
+    query tiles, a partial last one, GQA 2:1)."""
+    q, k, v, do = make_inputs(1, 4, 2, 161, 161, d, dtype, device)
+    check_against_reference(q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_custom_scale_and_lq_ne_lk(device):
     q, k, v, do = make_inputs(1, 4, 2, 33, 150, 128, torch.float16, device)
     check_against_reference(q, k, v, do, "bottom-right", scale=0.3)
