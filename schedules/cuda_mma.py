@@ -29,13 +29,14 @@ import dataclasses
 from tvm.script import tirx as T
 
 from tvm_flash.kernels.common import (
-    LN2,
     LOG2E,
     TileConfig,
+    causal_offset,
     exp2_clamped,
     first_query_tile,
     neg_inf,
     num_key_tiles,
+    row_lse,
     visible,
 )
 from tvm_flash.key import KernelKey
@@ -104,10 +105,8 @@ class _Fragments:
     def __init__(self, d: int, dtype: str, tile: MmaTile):
         tile.check(d)
         threads = tile.warps * WARP
-        self.d, self.dtype, self.threads = d, dtype, threads
-        self.stride = d + ROW_PAD
         ab = _PTX[dtype]
-        stride, vrow = self.stride, d // VEC
+        stride, vrow = d + ROW_PAD, d // VEC
 
         @T.macro
         def copy_rows(dst, base, src, b, h, start, length, rows, tx, asynchronous):
@@ -206,7 +205,7 @@ class _Fragments:
                             dst[b, h, r0 + w * 16 + lane // 4 + r * 8, n * 8 + lane % 4 * 2 + e] = (
                                 T.cast(acc[n * 4 + r * 2 + e] * scale, dtype))
 
-        self.copy_rows, self.mma, self.ld_a = copy_rows, mma, ld_a
+        self.copy_rows, self.ld_a = copy_rows, ld_a
         self.gemm_nt, self.gemm_nn, self.quad_reduce = gemm_nt, gemm_nn, quad_reduce
         self.zero, self.store_rows = zero, store_rows
         self.ready = _ready(tile.stages)
@@ -220,12 +219,9 @@ def _mask_needed(causal: str, first_row, rows: int, first_col, cols: int, col_en
     if causal == "none":
         return crosses_end
     if transposed:  # a key row j is masked for query i < j - offset
-        return T.Or(crosses_end, first_col < first_row + rows - 1 - _offset(causal, lq, lk))
-    return T.Or(crosses_end, first_col + cols - 1 > first_row + _offset(causal, lq, lk))
-
-
-def _offset(causal, lq, lk):
-    return lk - lq if causal == "bottom-right" else T.int64(0)
+        return T.Or(crosses_end,
+                    first_col < first_row + rows - 1 - causal_offset(causal, lq, lk))
+    return T.Or(crosses_end, first_col + cols - 1 > first_row + causal_offset(causal, lq, lk))
 
 
 class _KeyWalk:
@@ -369,9 +365,7 @@ def flash_forward(key: KernelKey, tile: MmaTile):
         f.store_rows(O, c[0], c[1], c[3], Lq, acc, T.float32(1), w, lane)
         for r in T.unroll(2):
             if lane % 4 == 0 and row + r * 8 < Lq:
-                LSE[c[0], c[1], row + r * 8] = T.if_then_else(
-                    lsum[r] == T.float32(0), neg_inf(),
-                    (m[r] + T.log2(lsum[r])) * T.float32(LN2))
+                LSE[c[0], c[1], row + r * 8] = row_lse(m[r], lsum[r])
 
     return flash_fwd
 

@@ -89,6 +89,11 @@ def exp2_clamped(x):
     return T.exp2(T.if_then_else(x > T.float32(0), T.float32(0), x))
 
 
+def row_lse(m, lsum):
+    """A row's LSE (natural log) from its base-2 max and sum; -inf for a row with no key."""
+    return T.if_then_else(lsum == T.float32(0), neg_inf(), (m + T.log2(lsum)) * T.float32(LN2))
+
+
 def split_size(lk, num_splits, block_k: int):
     """Keys per split when ``lk`` keys are cut into ``num_splits`` splits of whole key tiles;
     split ``s`` holds keys ``[s * size, min((s + 1) * size, lk))`` (the last ones may be

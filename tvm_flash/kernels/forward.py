@@ -26,7 +26,6 @@ from __future__ import annotations
 from tvm.script import tirx as T
 
 from .common import (
-    LN2,
     LOG2E,
     TILED,
     Rows,
@@ -40,6 +39,7 @@ from .common import (
     num_key_tiles,
     pin_scalars,
     plain,
+    row_lse,
     split_size,
     store_tile,
     transposed,
@@ -150,11 +150,6 @@ def _normalised(acc, lsum):
     return T.if_then_else(lsum == T.float32(0), T.float32(0), acc / lsum)
 
 
-def _lse(m, lsum):
-    """A row's LSE (natural log) from its base-2 max and sum; -inf for a row with no key."""
-    return T.if_then_else(lsum == T.float32(0), neg_inf(), (m + T.log2(lsum)) * T.float32(LN2))
-
-
 def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
                   sinks: bool = False):
     """Return the forward PrimFunc ``flash_fwd(q, k, v, sinks, o, lse, scale)``.
@@ -210,7 +205,7 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
                     with T.sblock("lse_store"):
                         vi = T.axis.remap("S", [i])
                         if c[3] + vi < Lq:
-                            LSE[c[0], c[1], c[3] + vi] = _lse(m[vi], lsum[vi])
+                            LSE[c[0], c[1], c[3] + vi] = row_lse(m[vi], lsum[vi])
 
     return flash_fwd
 
@@ -322,6 +317,6 @@ def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):
                             Mpart[s * B + vb, vh, vi] - red[0])
                 O[vb, vh, vi, vd] = T.cast(_normalised(red[2], red[1]), dtype)
                 if vd == 0:
-                    LSE[vb, vh, vi] = _lse(red[0], red[1])
+                    LSE[vb, vh, vi] = row_lse(red[0], red[1])
 
     return flash_fwd_merge
