@@ -3,23 +3,29 @@
 Why these kernels are written here and not scheduled from ``tvm_flash.kernels``: block-level
 tensorization (the WMMA schedule of docs/perf.md v3/v4, since removed) keeps a GEMM's product in
 an opaque fragment, so S, P and every partial product made a float32 round trip through shared
-memory; at best that reached 0.23x the FlashAttention-2 forward. Here each warp owns 16 rows
-and holds its S, P, dP, dS and running sums in registers in the documented ``m16n8k16``
-accumulator layout, which is also the A-operand layout: P and dS feed the second GEMM without
-leaving the registers, and the row statistics need only two shuffles across the 4 lanes that
-share a row. The algorithm is the one of ``tvm_flash.kernels`` (same masking, clamped exp2,
-rounded P and dS, LSE and Delta conventions, the same ``common`` helpers); what is fixed here is
-the thread mapping, so this module is the CUDA schedule of those kernels, written out.
+memory; at best that reached 0.23x the FlashAttention-2 forward. Here each warp owns 16 or 32
+rows (one or two m-tiles) and holds its S, P, dP, dS and running sums in registers in the
+documented ``m16n8k16`` accumulator layout, which is also the A-operand layout: P and dS feed
+the second GEMM without leaving the registers, and the row statistics need only two shuffles
+across the 4 lanes that share a row. The algorithm is the one of ``tvm_flash.kernels`` (same
+masking, clamped exp2, rounded P and dS, LSE and Delta conventions, the same ``common``
+helpers); what is fixed here is the thread mapping, so this module is the CUDA schedule of
+those kernels, written out.
 
-Per kernel (``W`` warps of 32 lanes, ``16 W`` rows per block; ``lane = 4 g + t``):
+Per kernel (``W`` warps of 32 lanes and ``mt`` m-tiles, ``16 mt W`` rows per block;
+``lane = 4 g + t``):
 
 * operands stay in shared memory, rows padded by 16 bytes so ``ldmatrix`` is conflict-free;
   the tiles the loop walks (K/V, or Q/dO for dK/dV) are double-buffered: ``cp.async`` fills
   the next stage while the tensor cores work on this one;
-* a lane holds rows ``g`` and ``g + 8`` of its warp's 16, columns ``8 j + 2 t + {0, 1}``;
-* only tiles that cross the causal diagonal or the end of the sequence are masked.
+* a lane holds rows ``16 mi + g`` and ``16 mi + g + 8`` of its warp's, columns
+  ``8 j + 2 t + {0, 1}``; with two m-tiles every B fragment loaded feeds two MMAs;
+* only tiles that cross the causal diagonal or the end of the sequence are masked;
+* the forward's row max and sum are balanced trees over a lane's elements, its exponent one
+  FMA (scale and log2(e) folded), and the -inf guards are per row, not per element.
 
-Registers (ptxas, sm_90, bf16; docs/perf.md v5): no spills for D <= 128.
+Registers (ptxas, sm_90; docs/perf.md v6): at most 255, a few spilled bytes where measured
+faster (see :func:`tile`).
 """
 
 from __future__ import annotations
@@ -52,17 +58,19 @@ _PTX = {"float16": "fp16", "bfloat16": "bf16"}
 
 @dataclasses.dataclass(frozen=True)
 class MmaTile:
-    """A warp-level tile: ``warps`` warps of 16 rows own ``16 * warps`` rows (queries for
-    forward and dQ, keys for dK/dV); ``step`` rows of the other side per loop step;
-    ``stages`` shared-memory buffers for the walked tiles."""
+    """A warp-level tile: ``warps`` warps of ``16 * mtiles`` rows own ``rows`` rows (queries
+    for forward and dQ, keys for dK/dV); ``step`` rows of the other side per loop step;
+    ``stages`` shared-memory buffers for the walked tiles. A warp with two m-tiles feeds each B
+    fragment it loads to two MMAs, halving the ``ldmatrix`` traffic per MMA."""
 
     warps: int
     step: int
     stages: int = 2
+    mtiles: int = 1
 
     @property
     def rows(self) -> int:
-        return 16 * self.warps
+        return 16 * self.mtiles * self.warps
 
     def check(self, head_dim: int) -> None:
         """Refuse a tile whose copies do not divide over the threads (each thread copies whole
@@ -90,13 +98,22 @@ def supports(key: KernelKey) -> bool:
 
 
 def tile(key: KernelKey) -> MmaTile:
-    """Chosen from a sweep on the H200 (docs/perf.md v5): 4 warps with 64-row steps up to
-    D = 64 and 32-row steps above (64 at D = 128 costs the forward 8-17%), except dK/dV above
-    D = 64: 8 warps own 128 keys and take 64 queries a step (+16% over 4 warps x 32: the Q/dO
-    tiles serve twice the keys); two stages (three measured from +1% to -38%)."""
-    if key.op == "dkv" and key.head_dim > 64:
-        return MmaTile(warps=8, step=64)
-    return MmaTile(warps=4, step=64 if key.head_dim <= 64 else 32)
+    """Chosen from sweeps on the H200 (docs/perf.md v5, v6):
+
+    * forward and dQ: 4 warps of two m-tiles (128 query rows; v6: dQ +16-24%, forward up to
+      +15% over one m-tile), 64-key steps up to D = 64 and 32 above, except the bf16 forward
+      at D = 128, which takes 64-key steps (+5-10%; in fp16 ptxas spills heavily there);
+    * dK/dV: one m-tile (two do not fit the dK and dV sums); above D = 64 8 warps own 128 keys
+      and take 64 queries a step (v5: +16% over 4 warps x 32);
+    * two stages (three measured from +1% to -38%).
+
+    Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 20, docs/perf.md
+    v6); they measured faster than every spill-free alternative."""
+    d, op = key.head_dim, key.op
+    if op == "dkv":
+        return MmaTile(warps=8, step=64) if d > 64 else MmaTile(warps=4, step=64)
+    wide = d <= 64 or (op == "fwd" and d == 128 and key.dtype == "bfloat16")
+    return MmaTile(warps=4, step=64 if wide else 32, mtiles=2)
 
 
 class _Fragments:
@@ -104,7 +121,7 @@ class _Fragments:
 
     def __init__(self, d: int, dtype: str, tile: MmaTile):
         tile.check(d)
-        threads = tile.warps * WARP
+        threads, mt = tile.warps * WARP, tile.mtiles
         ab = _PTX[dtype]
         stride, vrow = d + ROW_PAD, d // VEC
 
@@ -159,30 +176,46 @@ class _Fragments:
                                 + lane // 16 * 8), 0, dtype=dtype))
 
         @T.macro
+        def load_a(a_regs, smem, row0, lane):
+            """The A fragments of the warp's ``16 mt`` rows of ``smem`` from ``row0``, over the
+            head dim, into ``a_regs`` (m-tile ``mi``, k-chunk ``kk`` at ``mi d / 2 + 8 kk``)."""
+            for mi in T.unroll(mt):
+                for kk in T.unroll(d // 16):
+                    ld_a(a_regs, mi * (d // 2) + kk * 8, smem, row0 + mi * 16, kk * 16, lane)
+
+        @T.macro
         def gemm_nt(acc, a_regs, a_smem, a_row, b_smem, b_row, n, bf, lane):
-            """``acc (16 x n) += A B^T`` over the head dim: A the warp's 16 rows (``a_regs``
-            preloaded fragments, or ``a_smem`` rows from ``a_row``), B ``n`` rows of ``b_smem``
-            from ``b_row``; both stored (row, d)."""
+            """``acc (16 mt x n) += A B^T`` over the head dim: A the warp's rows (``a_regs``
+            preloaded by ``load_a``, or ``a_smem`` rows from ``a_row``), B ``n`` rows of
+            ``b_smem`` from ``b_row``; both stored (row, d). ``acc``: m-tile ``mi`` from
+            ``mi n / 2``."""
             for kk in T.unroll(d // 16):
                 if a_regs is None:
-                    ld_a(bf, 8, a_smem, a_row, kk * 16, lane)
+                    for mi in T.unroll(mt):
+                        ld_a(bf, 8 + mi * 8, a_smem, a_row + mi * 16, kk * 16, lane)
                 for jp in T.unroll(n // 16):
                     ld_b(bf, b_smem, b_row + jp * 16, kk * 16, lane)
                     for half in T.unroll(2):
-                        if a_regs is None:
-                            mma(bf, 8, bf, half * 4, acc, (jp * 2 + half) * 4)
-                        else:
-                            mma(a_regs, kk * 8, bf, half * 4, acc, (jp * 2 + half) * 4)
+                        for mi in T.unroll(mt):
+                            if a_regs is None:
+                                mma(bf, 8 + mi * 8, bf, half * 4, acc,
+                                    mi * (n // 2) + (jp * 2 + half) * 4)
+                            else:
+                                mma(a_regs, mi * (d // 2) + kk * 8, bf, half * 4, acc,
+                                    mi * (n // 2) + (jp * 2 + half) * 4)
 
         @T.macro
         def gemm_nn(acc, a_regs, k, b_smem, b_row, bf, lane):
-            """``acc (16 x d) += A B``: A (16 x k) in registers in the accumulator layout of a
-            16 x k product (P, dS), B ``k`` rows of ``b_smem`` from ``b_row``, stored (k, d)."""
+            """``acc (16 mt x d) += A B``: A (16 mt x k) in registers in the accumulator layout
+            of a 16 mt x k product (P, dS), B ``k`` rows of ``b_smem`` from ``b_row``, stored
+            (k, d)."""
             for kk in T.unroll(k // 16):
                 for np_ in T.unroll(d // 16):
                     ld_bt(bf, b_smem, b_row + kk * 16, np_ * 16, lane)
                     for half in T.unroll(2):
-                        mma(a_regs, kk * 8, bf, half * 4, acc, (np_ * 2 + half) * 4)
+                        for mi in T.unroll(mt):
+                            mma(a_regs, mi * (k // 2) + kk * 8, bf, half * 4, acc,
+                                mi * (d // 2) + (np_ * 2 + half) * 4)
 
         @T.macro
         def quad_reduce(x, i, op):
@@ -197,18 +230,42 @@ class _Fragments:
 
         @T.macro
         def store_rows(dst, b, h, r0, length, acc, scale, w, lane):
-            """``dst[b, h, r0 + 16 w + {g, g + 8}, :] = acc * scale`` (rows before ``length``)."""
-            for r in T.unroll(2):
-                if r0 + w * 16 + lane // 4 + r * 8 < length:
-                    for n in T.unroll(d // 8):
-                        for e in T.vectorized(2):
-                            dst[b, h, r0 + w * 16 + lane // 4 + r * 8, n * 8 + lane % 4 * 2 + e] = (
-                                T.cast(acc[n * 4 + r * 2 + e] * scale, dtype))
+            """``dst[b, h, r0 + 16 (mt w + mi) + {g, g + 8}, :] = acc * scale`` (rows before
+            ``length``)."""
+            for mi in T.unroll(mt):
+                for r in T.unroll(2):
+                    row = T.meta_var(r0 + (w * mt + mi) * 16 + lane // 4 + r * 8)
+                    if row < length:
+                        for n in T.unroll(d // 8):
+                            for e in T.vectorized(2):
+                                dst[b, h, row, n * 8 + lane % 4 * 2 + e] = T.cast(
+                                    acc[(mi * (d // 8) + n) * 4 + r * 2 + e] * scale, dtype)
 
-        self.copy_rows, self.ld_a = copy_rows, ld_a
+        self.copy_rows, self.load_a = copy_rows, load_a
         self.gemm_nt, self.gemm_nn, self.quad_reduce = gemm_nt, gemm_nn, quad_reduce
         self.zero, self.store_rows = zero, store_rows
         self.ready = _ready(tile.stages)
+
+
+def _lane_row(i, n: int):
+    """Which of its ``2 mt`` rows a lane's element ``i`` of a (16 mt x 8 n) accumulator is in:
+    ``2 mi + r`` for m-tile ``mi`` and row ``g + 8 r`` of it."""
+    return i // (4 * n) * 2 + i % 4 // 2
+
+
+def _row_offset(i, n: int):
+    """The row of element ``i`` within the warp's rows, less ``g``."""
+    r = _lane_row(i, n)
+    return r // 2 * 16 + r % 2 * 8
+
+
+def _col_offset(i, n: int):
+    """The column of element ``i``, less ``2 t``: n-tile ``8 j`` plus its pair member."""
+    return i // 4 % n * 8 + i % 2
+
+
+def pos_inf():
+    return -neg_inf()
 
 
 def _mask_needed(causal: str, first_row, rows: int, first_col, cols: int, col_end, lq, lk,
@@ -262,14 +319,40 @@ def _ready(stages: int):
     return ready
 
 
+def _any_not_one(x, n: int):
+    """Whether any of ``x[0:n]`` differs from 1 (a rescale factor that changes something)."""
+    cond = x[0] != T.float32(1)
+    for i in range(1, n):
+        cond = T.Or(cond, x[i] != T.float32(1))
+    return cond
+
+
+def _row_tree(op, x, r, ns: int, dtype: str | None = None):
+    """``op`` over this lane's ``2 ns`` elements of its row ``r`` (m-tile ``r // 2``, half
+    ``r % 2``) of the accumulator-layout ``x``, as a balanced tree: short dependency chains
+    instead of one of length ``2 ns``."""
+    vals = [x[(r // 2 * ns + j) * 4 + r % 2 * 2 + e] for j in range(ns) for e in range(2)]
+    vals = [T.cast(v, dtype) for v in vals] if dtype else vals
+    while len(vals) > 1:
+        vals = [op(*vals[i:i + 2]) if i + 1 < len(vals) else vals[i]
+                for i in range(0, len(vals), 2)]
+    return vals[0]
+
+
 def flash_forward(key: KernelKey, tile: MmaTile):
-    """``flash_fwd(q, k, v, sinks, o, lse, scale)`` as ``kernels.forward.flash_forward``."""
+    """``flash_fwd(q, k, v, sinks, o, lse, scale)`` as ``kernels.forward.flash_forward``.
+
+    Differences in expression only: the row max is taken on the raw scores (``scale > 0``), so
+    the scale and log2(e) fold into the exponent's FMA; the output rows are rescaled only when
+    one of the thread's row maxima moved (the factor is exactly 1 otherwise)."""
     D, dtype, causal, sinks = key.head_dim, key.dtype, key.causal, key.sinks
-    W, BQ, BK, stages = tile.warps, tile.rows, tile.step, tile.stages
+    W, BQ, BK, stages, MT = tile.warps, tile.rows, tile.step, tile.stages, tile.mtiles
     NT = W * WARP
     f = _Fragments(D, dtype, tile)
     walk = _KeyWalk(f, key, tile)
     NS, NO = BK // 8, D // 8  # n-tiles of S and of O
+    QREG = D * MT <= 128  # Q's A fragments stay in (at most 32) registers
+    R = 2 * MT  # rows per lane
 
     @T.prim_func
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, sinks_h: T.handle,
@@ -288,28 +371,30 @@ def flash_forward(key: KernelKey, tile: MmaTile):
         Qs = T.alloc_buffer((BQ, D + ROW_PAD), dtype, scope="shared.dyn")
         Ks = T.alloc_buffer((stages * BK, D + ROW_PAD), dtype, scope="shared.dyn")
         Vs = T.alloc_buffer((stages * BK, D + ROW_PAD), dtype, scope="shared.dyn")
-        qf = T.alloc_buffer((D // 2,), dtype, scope="local")  # Q's A fragments, D/16 x 8
-        bf = T.alloc_buffer((16,), dtype, scope="local")  # B fragments (and an A one)
-        s = T.alloc_buffer((NS * 4,), F32, scope="local")
-        p = T.alloc_buffer((NS * 4,), dtype, scope="local")
-        acc = T.alloc_buffer((NO * 4,), F32, scope="local")
-        m = T.alloc_buffer((2,), F32, scope="local")
-        mn = T.alloc_buffer((2,), F32, scope="local")
-        lsum = T.alloc_buffer((2,), F32, scope="local")
+        qf = T.alloc_buffer((MT * D // 2,), dtype, scope="local")  # Q's A fragments (QREG)
+        bf = T.alloc_buffer((8 + 8 * MT,), dtype, scope="local")  # B fragments, A ones
+        s = T.alloc_buffer((MT * NS * 4,), F32, scope="local")
+        p = T.alloc_buffer((MT * NS * 4,), dtype, scope="local")
+        acc = T.alloc_buffer((MT * NO * 4,), F32, scope="local")
+        m = T.alloc_buffer((R,), F32, scope="local")
+        mn = T.alloc_buffer((R,), F32, scope="local")
+        msub = T.alloc_buffer((R,), F32, scope="local")
+        lsum = T.alloc_buffer((R,), F32, scope="local")
         c = T.alloc_buffer((5,), "int64", scope="local")
         walk.coords(c, bx, nqt, Hq, Lq, Lk)
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
-        row = T.meta_var(c[3] + w * 16 + lane // 4)  # + 8 r: this lane's rows
+        row = T.meta_var(c[3] + w * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's rows
+        scale2 = T.meta_var(scale * T.float32(LOG2E))
 
         f.copy_rows(Qs, 0, Q, c[0], c[1], c[3], Lq, BQ, tx, False)
         for pt in T.unroll(stages - 1):
             walk.prefetch(Ks, Vs, K, V, c, T.int64(pt), Lk, tx)
         T.tvm_storage_sync("shared")
-        for kk in T.unroll(D // 16):
-            f.ld_a(qf, kk * 8, Qs, w * 16, kk * 16, lane)
-        f.zero(acc, NO * 4)
-        for r in T.unroll(2):
+        if QREG:
+            f.load_a(qf, Qs, w * MT * 16, lane)
+        f.zero(acc, MT * NO * 4)
+        for r in T.unroll(R):
             if sinks:  # the softmax starts from the sink (one lane of the row counts it)
                 m[r] = Sinks[c[1]] * T.float32(LOG2E)
                 lsum[r] = T.if_then_else(lane % 4 == 0, T.float32(1), T.float32(0))
@@ -321,65 +406,68 @@ def flash_forward(key: KernelKey, tile: MmaTile):
             k0 = T.meta_var(kt * BK)
             walk.prefetch(Ks, Vs, K, V, c, kt + stages - 1, Lk, tx)
             walk.ready()
-            f.zero(s, NS * 4)
-            f.gemm_nt(s, qf, None, 0, Ks, kt % stages * BK, BK, bf, lane)
-            for i in T.unroll(NS * 4):
-                s[i] = s[i] * (scale * T.float32(LOG2E))
+            f.zero(s, MT * NS * 4)
+            if QREG:
+                f.gemm_nt(s, qf, None, 0, Ks, kt % stages * BK, BK, bf, lane)
+            else:
+                f.gemm_nt(s, None, Qs, w * MT * 16, Ks, kt % stages * BK, BK, bf, lane)
             if _mask_needed(causal, c[3], BQ, k0, BK, Lk, Lq, Lk):
-                for j, e in T.grid(NS, 4):
-                    if not visible(causal, row + e // 2 * 8, k0 + j * 8 + lane % 4 * 2 + e % 2,
-                                   Lq, Lk):
-                        s[j * 4 + e] = neg_inf()
+                for i in T.unroll(MT * NS * 4):
+                    if not visible(causal, row + _row_offset(i, NS),
+                                   k0 + lane % 4 * 2 + _col_offset(i, NS), Lq, Lk):
+                        s[i] = neg_inf()
             # online softmax in base 2 (kernels.forward): new max, rounded P, rescale
-            for r in T.unroll(2):
-                mn[r] = m[r]
-            for j, e in T.grid(NS, 4):
-                mn[e // 2] = T.max(mn[e // 2], s[j * 4 + e])
-            for r in T.unroll(2):
+            for r in T.unroll(R):
+                mn[r] = _row_tree(T.max, s, r, NS)
                 f.quad_reduce(mn, r, T.max)
-            for j, e in T.grid(NS, 4):
-                p[j * 4 + e] = T.cast(T.if_then_else(
-                    s[j * 4 + e] == neg_inf(), T.float32(0),
-                    exp2_clamped(s[j * 4 + e] - mn[e // 2])), dtype)
-            for r in T.unroll(2):
+                mn[r] = T.max(m[r], mn[r] * scale2)
+                # subtracted from the row: a row with max -inf holds only -inf scores, and
+                # -inf - 0 gives P = 0 where -inf - -inf would give NaN
+                msub[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(0), mn[r])
+            for i in T.unroll(MT * NS * 4):
+                p[i] = T.cast(exp2_clamped(s[i] * scale2 - msub[_lane_row(i, NS)]), dtype)
+            for r in T.unroll(R):
                 # m[r] holds the rescale factor until the new max replaces it
                 m[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(1),
                                       exp2_clamped(m[r] - mn[r]))
-                lsum[r] = lsum[r] * m[r]
-            for j, e in T.grid(NS, 4):
-                lsum[e // 2] = lsum[e // 2] + T.cast(p[j * 4 + e], F32)
-            for n, e in T.grid(NO, 4):
-                acc[n * 4 + e] = acc[n * 4 + e] * m[e // 2]
-            for r in T.unroll(2):
+                lsum[r] = lsum[r] * m[r] + _row_tree(T.Add, p, r, NS, F32)
+            if _any_not_one(m, R):
+                for i in T.unroll(MT * NO * 4):
+                    acc[i] = acc[i] * m[_lane_row(i, NO)]
+            for r in T.unroll(R):
                 m[r] = mn[r]
             f.gemm_nn(acc, p, BK, Vs, kt % stages * BK, bf, lane)
             T.tvm_storage_sync("shared")  # this stage is refilled next step
 
-        for r in T.unroll(2):
+        for r in T.unroll(R):
             f.quad_reduce(lsum, r, T.Add)
             # l == 0 only for a row that saw no key (nor sink): O = 0, LSE = -inf
             mn[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
                                    T.float32(1) / lsum[r])
-        for n, e in T.grid(NO, 4):
-            acc[n * 4 + e] = acc[n * 4 + e] * mn[e // 2]
+        for i in T.unroll(MT * NO * 4):
+            acc[i] = acc[i] * mn[_lane_row(i, NO)]
         f.store_rows(O, c[0], c[1], c[3], Lq, acc, T.float32(1), w, lane)
-        for r in T.unroll(2):
-            if lane % 4 == 0 and row + r * 8 < Lq:
-                LSE[c[0], c[1], row + r * 8] = row_lse(m[r], lsum[r])
+        for mi in T.unroll(MT):
+            for r in T.unroll(2):
+                if lane % 4 == 0 and row + mi * 16 + r * 8 < Lq:
+                    LSE[c[0], c[1], row + mi * 16 + r * 8] = row_lse(m[mi * 2 + r],
+                                                                     lsum[mi * 2 + r])
 
     return flash_fwd
 
 
-def _prob(s, scale, lse):
-    """``kernels.backward._prob`` on an unmasked element: 0 for a row without keys."""
-    return T.if_then_else(lse == neg_inf(), T.float32(0),
-                          exp2_clamped((s * scale - lse) * T.float32(LOG2E)))
+def _prob(s, scale, lse, guarded: bool = True):
+    """``kernels.backward._prob`` on an unmasked element: 0 for a row without keys (LSE -inf).
+    Unguarded: the caller passes LSE = +inf for such a row (``exp2(-inf) = 0``), one select per
+    row instead of one per element."""
+    p = exp2_clamped((s * scale - lse) * T.float32(LOG2E))
+    return T.if_then_else(lse == neg_inf(), T.float32(0), p) if guarded else p
 
 
 def flash_dq(key: KernelKey, tile: MmaTile):
     """``flash_dq(q, k, v, do, lse, delta, dq, scale)`` as ``kernels.backward.flash_dq``."""
     D, dtype, causal = key.head_dim, key.dtype, key.causal
-    W, BQ, BK, stages = tile.warps, tile.rows, tile.step, tile.stages
+    W, BQ, BK, stages, MT = tile.warps, tile.rows, tile.step, tile.stages, tile.mtiles
     NT = W * WARP
     f = _Fragments(D, dtype, tile)
     walk = _KeyWalk(f, key, tile)
@@ -404,49 +492,52 @@ def flash_dq(key: KernelKey, tile: MmaTile):
         dOs = T.alloc_buffer((BQ, D + ROW_PAD), dtype, scope="shared.dyn")
         Ks = T.alloc_buffer((stages * BK, D + ROW_PAD), dtype, scope="shared.dyn")
         Vs = T.alloc_buffer((stages * BK, D + ROW_PAD), dtype, scope="shared.dyn")
-        bf = T.alloc_buffer((16,), dtype, scope="local")
-        s = T.alloc_buffer((NS * 4,), F32, scope="local")
-        dp = T.alloc_buffer((NS * 4,), F32, scope="local")
-        ds = T.alloc_buffer((NS * 4,), dtype, scope="local")
-        acc = T.alloc_buffer((NO * 4,), F32, scope="local")
-        lse = T.alloc_buffer((2,), F32, scope="local")
-        delta = T.alloc_buffer((2,), F32, scope="local")
+        bf = T.alloc_buffer((8 + 8 * MT,), dtype, scope="local")
+        s = T.alloc_buffer((MT * NS * 4,), F32, scope="local")
+        dp = T.alloc_buffer((MT * NS * 4,), F32, scope="local")
+        ds = T.alloc_buffer((MT * NS * 4,), dtype, scope="local")
+        acc = T.alloc_buffer((MT * NO * 4,), F32, scope="local")
+        lse = T.alloc_buffer((2 * MT,), F32, scope="local")
+        delta = T.alloc_buffer((2 * MT,), F32, scope="local")
         c = T.alloc_buffer((5,), "int64", scope="local")
         walk.coords(c, bx, nqt, Hq, Lq, Lk)
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
-        row = T.meta_var(c[3] + w * 16 + lane // 4)
+        row = T.meta_var(c[3] + w * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's rows
 
         f.copy_rows(Qs, 0, Q, c[0], c[1], c[3], Lq, BQ, tx, False)
         f.copy_rows(dOs, 0, dO, c[0], c[1], c[3], Lq, BQ, tx, False)
         for pt in T.unroll(stages - 1):
             walk.prefetch(Ks, Vs, K, V, c, T.int64(pt), Lk, tx)
-        for r in T.unroll(2):
-            lse[r] = neg_inf()
-            delta[r] = T.float32(0)
-            if row + r * 8 < Lq:
-                lse[r] = LSE[c[0], c[1], row + r * 8]
-                delta[r] = Delta[c[0], c[1], row + r * 8]
-        f.zero(acc, NO * 4)
+        for mi in T.unroll(MT):
+            for r in T.unroll(2):
+                lse[mi * 2 + r] = pos_inf()  # P = 0 in rows past the end or without keys
+                delta[mi * 2 + r] = T.float32(0)
+                if row + mi * 16 + r * 8 < Lq:
+                    lse[mi * 2 + r] = LSE[c[0], c[1], row + mi * 16 + r * 8]
+                    delta[mi * 2 + r] = Delta[c[0], c[1], row + mi * 16 + r * 8]
+                    if lse[mi * 2 + r] == neg_inf():
+                        lse[mi * 2 + r] = pos_inf()
+        f.zero(acc, MT * NO * 4)
 
         for kt in T.serial(c[4]):
             k0 = T.meta_var(kt * BK)
             walk.prefetch(Ks, Vs, K, V, c, kt + stages - 1, Lk, tx)
             walk.ready()
-            f.zero(s, NS * 4)
-            f.gemm_nt(s, None, Qs, w * 16, Ks, kt % stages * BK, BK, bf, lane)
-            f.zero(dp, NS * 4)
-            f.gemm_nt(dp, None, dOs, w * 16, Vs, kt % stages * BK, BK, bf, lane)
+            f.zero(s, MT * NS * 4)
+            f.gemm_nt(s, None, Qs, w * MT * 16, Ks, kt % stages * BK, BK, bf, lane)
+            f.zero(dp, MT * NS * 4)
+            f.gemm_nt(dp, None, dOs, w * MT * 16, Vs, kt % stages * BK, BK, bf, lane)
             # P recomputed from the LSE; dS = P (dP - Delta) rounded to the input dtype
-            for j, e in T.grid(NS, 4):
-                s[j * 4 + e] = _prob(s[j * 4 + e], scale, lse[e // 2])
+            for i in T.unroll(MT * NS * 4):
+                s[i] = _prob(s[i], scale, lse[_lane_row(i, NS)], False)
             if _mask_needed(causal, c[3], BQ, k0, BK, Lk, Lq, Lk):
-                for j, e in T.grid(NS, 4):
-                    if not visible(causal, row + e // 2 * 8, k0 + j * 8 + lane % 4 * 2 + e % 2,
-                                   Lq, Lk):
-                        s[j * 4 + e] = T.float32(0)
-            for j, e in T.grid(NS, 4):
-                ds[j * 4 + e] = T.cast(s[j * 4 + e] * (dp[j * 4 + e] - delta[e // 2]), dtype)
+                for i in T.unroll(MT * NS * 4):
+                    if not visible(causal, row + _row_offset(i, NS),
+                                   k0 + lane % 4 * 2 + _col_offset(i, NS), Lq, Lk):
+                        s[i] = T.float32(0)
+            for i in T.unroll(MT * NS * 4):
+                ds[i] = T.cast(s[i] * (dp[i] - delta[_lane_row(i, NS)]), dtype)
             f.gemm_nn(acc, ds, BK, Ks, kt % stages * BK, bf, lane)
             T.tvm_storage_sync("shared")
 
@@ -460,7 +551,7 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
     a block owns ``tile.rows`` keys of one key/value head and walks every query head of its
     group and every query tile that sees those keys (one flattened, double-buffered loop)."""
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
-    W, BK, BQ, stages = tile.warps, tile.rows, tile.step, tile.stages
+    W, BK, BQ, stages, MT = tile.warps, tile.rows, tile.step, tile.stages, tile.mtiles
     NT = W * WARP
     f = _Fragments(D, dtype, tile)
     NS, NO = BQ // 8, D // 8
@@ -508,12 +599,12 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
         Qs = T.alloc_buffer((stages * BQ, D + ROW_PAD), dtype, scope="shared.dyn")
         dOs = T.alloc_buffer((stages * BQ, D + ROW_PAD), dtype, scope="shared.dyn")
         stats = T.alloc_buffer((stages * 2 * BQ,), F32, scope="shared.dyn")  # LSE, Delta
-        bf = T.alloc_buffer((16,), dtype, scope="local")
-        st = T.alloc_buffer((NS * 4,), F32, scope="local")
-        dpt = T.alloc_buffer((NS * 4,), F32, scope="local")
-        pt = T.alloc_buffer((NS * 4,), dtype, scope="local")
-        dk = T.alloc_buffer((NO * 4,), F32, scope="local")
-        dv = T.alloc_buffer((NO * 4,), F32, scope="local")
+        bf = T.alloc_buffer((8 + 8 * MT,), dtype, scope="local")
+        st = T.alloc_buffer((MT * NS * 4,), F32, scope="local")
+        dpt = T.alloc_buffer((MT * NS * 4,), F32, scope="local")
+        pt = T.alloc_buffer((MT * NS * 4,), dtype, scope="local")
+        dk = T.alloc_buffer((MT * NO * 4,), F32, scope="local")
+        dv = T.alloc_buffer((MT * NO * 4,), F32, scope="local")
         # c: batch, kv head, first key, first query tile that sees it, query tiles per head,
         # steps (query tiles x heads of the group)
         c = T.alloc_buffer((6,), "int64", scope="local")
@@ -525,7 +616,7 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
         c[5] = c[4] * group
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
-        key_row = T.meta_var(c[2] + w * 16 + lane // 4)  # + 8 r: this lane's keys
+        key_row = T.meta_var(c[2] + w * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's keys
 
         f.copy_rows(Ks, 0, K, c[0], c[1], c[2], Lk, BK, tx, False)
         f.copy_rows(Vs, 0, V, c[0], c[1], c[2], Lk, BK, tx, False)
@@ -535,8 +626,8 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
                           c[1] * group + T.int64(ps) // c[4], (c[3] + T.int64(ps) % c[4]) * BQ,
                           Lq, ps, tx)
             T.ptx.cp.async_.commit_group()
-        f.zero(dk, NO * 4)
-        f.zero(dv, NO * 4)
+        f.zero(dk, MT * NO * 4)
+        f.zero(dv, MT * NO * 4)
 
         for i in T.serial(c[5]):
             q0 = T.meta_var((c[3] + i % c[4]) * BQ)
@@ -549,24 +640,25 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
             sq = T.meta_var(i % stages * BQ)  # this step's rows of Qs / dOs
             ss = T.meta_var(i % stages * 2 * BQ)  # and of stats
             # S^T = K Q^T, P^T recomputed from the LSE of each column (query)
-            f.zero(st, NS * 4)
-            f.gemm_nt(st, None, Ks, w * 16, Qs, sq, BQ, bf, lane)
-            for j, e in T.grid(NS, 4):
-                st[j * 4 + e] = T.cast(T.cast(_prob(
-                    st[j * 4 + e], scale, stats[ss + j * 8 + lane % 4 * 2 + e % 2]), dtype), F32)
+            f.zero(st, MT * NS * 4)
+            f.gemm_nt(st, None, Ks, w * MT * 16, Qs, sq, BQ, bf, lane)
+            for i2, e in T.grid(MT * NS, 4):
+                st[i2 * 4 + e] = T.cast(T.cast(_prob(
+                    st[i2 * 4 + e], scale, stats[ss + i2 % NS * 8 + lane % 4 * 2 + e % 2]),
+                    dtype), F32)
             if _mask_needed(causal, c[2], BK, q0, BQ, Lq, Lq, Lk, transposed=True):
-                for j, e in T.grid(NS, 4):
+                for mi, j, e in T.grid(MT, NS, 4):
                     if not visible(causal, q0 + j * 8 + lane % 4 * 2 + e % 2,
-                                   key_row + e // 2 * 8, Lq, Lk):
-                        st[j * 4 + e] = T.float32(0)
-            for i2 in T.unroll(NS * 4):
+                                   key_row + mi * 16 + e // 2 * 8, Lq, Lk):
+                        st[(mi * NS + j) * 4 + e] = T.float32(0)
+            for i2 in T.unroll(MT * NS * 4):
                 pt[i2] = T.cast(st[i2], dtype)
             f.gemm_nn(dv, pt, BQ, dOs, sq, bf, lane)  # dV += P^T dO
-            f.zero(dpt, NS * 4)
-            f.gemm_nt(dpt, None, Vs, w * 16, dOs, sq, BQ, bf, lane)  # dP^T = V dO^T
-            for j, e in T.grid(NS, 4):
-                pt[j * 4 + e] = T.cast(st[j * 4 + e] * (
-                    dpt[j * 4 + e] - stats[ss + BQ + j * 8 + lane % 4 * 2 + e % 2]), dtype)
+            f.zero(dpt, MT * NS * 4)
+            f.gemm_nt(dpt, None, Vs, w * MT * 16, dOs, sq, BQ, bf, lane)  # dP^T = V dO^T
+            for i2, e in T.grid(MT * NS, 4):
+                pt[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * (
+                    dpt[i2 * 4 + e] - stats[ss + BQ + i2 % NS * 8 + lane % 4 * 2 + e % 2]), dtype)
             f.gemm_nn(dk, pt, BQ, Qs, sq, bf, lane)  # dK += dS^T Q
             T.tvm_storage_sync("shared")
 

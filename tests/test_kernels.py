@@ -72,19 +72,25 @@ def test_cuda_tiled_kernels_are_warp_level_mma(target, op, dtype):
     assert "wmma" not in src
 
 
+MAX_SPILL_BYTES = 32
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
 @pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_warp_level_kernels_do_not_spill(op, d, tmp_path):
-    """ptxas keeps every warp-level kernel in registers (a spill would cost more than any
-    tile choice gains; docs/perf.md v5 records the register counts)."""
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_warp_level_kernels_stay_in_registers(op, d, dtype, tmp_path):
+    """ptxas keeps every warp-level kernel in registers but for a few bytes: the chosen tiles
+    sit at 255 registers, and those spilling at most 28 bytes measured faster than every
+    spill-free alternative (docs/perf.md v6); a fragment array pushed out to local memory
+    would spill hundreds."""
     src = tmp_path / "k.cu"
-    src.write_text(device_source(compile_module(_key(op, d, "bfloat16", "cuda-sm_90",
-                                                     "top-left", 1))))
+    src.write_text(device_source(compile_module(_key(op, d, dtype, "cuda-sm_90", "top-left", 1))))
     res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
                           str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr
+    spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", res.stderr)]
+    assert spilled and max(spilled) <= MAX_SPILL_BYTES, res.stderr
 
 
 @pytest.mark.parametrize("op,d,dtype,target", [
