@@ -102,12 +102,12 @@ def tile(key: KernelKey) -> MmaTile:
 
     * forward and dQ: 4 warps of two m-tiles (128 query rows; v6: dQ +16-24%, forward up to
       +15% over one m-tile), 64-key steps up to D = 64 and 32 above, except the bf16 forward
-      at D = 128, which takes 64-key steps (+5-10%; in fp16 ptxas spills heavily there);
+      at D = 128, which takes 64-key steps (+5-10%; in fp16 that tile spills 44 bytes);
     * dK/dV: one m-tile (two do not fit the dK and dV sums); above D = 64 8 warps own 128 keys
       and take 64 queries a step (v5: +16% over 4 warps x 32);
     * two stages (three measured from +1% to -38%).
 
-    Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 20, docs/perf.md
+    Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 28, docs/perf.md
     v6); they measured faster than every spill-free alternative."""
     d, op = key.head_dim, key.op
     if op == "dkv":
