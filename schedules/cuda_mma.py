@@ -644,13 +644,13 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
             f.gemm_nt(st, None, Ks, w * MT * 16, Qs, sq, BQ, bf, lane)
             for i2, e in T.grid(MT * NS, 4):
                 st[i2 * 4 + e] = T.cast(T.cast(_prob(
-                    st[i2 * 4 + e], scale, stats[ss + i2 % NS * 8 + lane % 4 * 2 + e % 2]),
+                    st[i2 * 4 + e], scale, stats[ss + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
                     dtype), F32)
             if _mask_needed(causal, c[2], BK, q0, BQ, Lq, Lq, Lk, transposed=True):
-                for mi, j, e in T.grid(MT, NS, 4):
-                    if not visible(causal, q0 + j * 8 + lane % 4 * 2 + e % 2,
-                                   key_row + mi * 16 + e // 2 * 8, Lq, Lk):
-                        st[(mi * NS + j) * 4 + e] = T.float32(0)
+                for i2, e in T.grid(MT * NS, 4):
+                    if not visible(causal, q0 + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS),
+                                   key_row + _row_offset(i2 * 4 + e, NS), Lq, Lk):
+                        st[i2 * 4 + e] = T.float32(0)
             for i2 in T.unroll(MT * NS * 4):
                 pt[i2] = T.cast(st[i2], dtype)
             f.gemm_nn(dv, pt, BQ, dOs, sq, bf, lane)  # dV += P^T dO
@@ -658,7 +658,8 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
             f.gemm_nt(dpt, None, Vs, w * MT * 16, dOs, sq, BQ, bf, lane)  # dP^T = V dO^T
             for i2, e in T.grid(MT * NS, 4):
                 pt[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * (
-                    dpt[i2 * 4 + e] - stats[ss + BQ + i2 % NS * 8 + lane % 4 * 2 + e % 2]), dtype)
+                    dpt[i2 * 4 + e] - stats[ss + BQ + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
+                    dtype)
             f.gemm_nn(dk, pt, BQ, Qs, sq, bf, lane)  # dK += dS^T Q
             T.tvm_storage_sync("shared")
 
