@@ -21,6 +21,8 @@ Per kernel (``W`` warps of 32 lanes and ``mt`` m-tiles, ``16 mt W`` rows per blo
 * a lane holds rows ``16 mi + g`` and ``16 mi + g + 8`` of its warp's, columns
   ``8 j + 2 t + {0, 1}``; with two m-tiles every B fragment loaded feeds two MMAs;
 * only tiles that cross the causal diagonal or the end of the sequence are masked;
+* dK/dV's two pairs of independent products (S^T and dP^T, then dV and dK) each run in one
+  loop, two chains of MMAs for the scheduler to interleave;
 * the forward's row max and sum are balanced trees over a lane's elements, its exponent one
   FMA (scale and log2(e) folded), and the -inf guards are per row, not per element.
 
@@ -103,15 +105,18 @@ def tile(key: KernelKey) -> MmaTile:
     * forward and dQ: 4 warps of two m-tiles (128 query rows; v6: dQ +16-24%, forward up to
       +15% over one m-tile), 64-key steps up to D = 64 and 32 above, except the bf16 forward
       at D = 128, which takes 64-key steps (+5-10%; in fp16 that tile spills 44 bytes);
-    * dK/dV: one m-tile (two do not fit the dK and dV sums); above D = 64 8 warps own 128 keys
-      and take 64 queries a step (v5: +16% over 4 warps x 32);
-    * two stages (three measured from +1% to -38%).
+    * dK/dV: above D = 64 8 warps of one m-tile own 128 keys and take 64 queries a step (v5:
+      +16% over 4 warps x 32); up to D = 64 4 warps of two m-tiles own 128 keys and take 32
+      queries a step (v7, with S^T/dP^T and dV/dK each in one loop: +6-12% over one m-tile);
+      splitting D over two warps with P and dS through shared memory (FlashAttention-2's
+      layout) measured +0.5% at D = 128 and -5-20% at D = 64 (v7), so it is not done;
+    * two stages (three measured from +1% to -38%, and for dK/dV from +1% to -20%).
 
-    Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 28, docs/perf.md
-    v6); they measured faster than every spill-free alternative."""
+    Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 40, docs/perf.md
+    v6, v7); they measured faster than every spill-free alternative."""
     d, op = key.head_dim, key.op
     if op == "dkv":
-        return MmaTile(warps=8, step=64) if d > 64 else MmaTile(warps=4, step=64)
+        return MmaTile(warps=8, step=64) if d > 64 else MmaTile(warps=4, step=32, mtiles=2)
     wide = d <= 64 or (op == "fwd" and d == 128 and key.dtype == "bfloat16")
     return MmaTile(warps=4, step=64 if wide else 32, mtiles=2)
 
@@ -184,17 +189,24 @@ class _Fragments:
                     ld_a(a_regs, mi * (d // 2) + kk * 8, smem, row0 + mi * 16, kk * 16, lane)
 
         @T.macro
-        def gemm_nt(acc, a_regs, a_smem, a_row, b_smem, b_row, n, bf, lane):
+        def gemm_nt_pair(acc, a_regs, a_smem, b_smem, acc2, a2_smem, b2_smem, a_row, b_row, n,
+                         bf, bf2, lane):
             """``acc (16 mt x n) += A B^T`` over the head dim: A the warp's rows (``a_regs``
             preloaded by ``load_a``, or ``a_smem`` rows from ``a_row``), B ``n`` rows of
             ``b_smem`` from ``b_row``; both stored (row, d). ``acc``: m-tile ``mi`` from
-            ``mi n / 2``."""
+            ``mi n / 2``. Unless ``acc2`` is None, ``acc2 += A2 B2^T`` likewise (A2 from
+            ``a2_smem``, fragments in ``bf2``) in the same loop: two independent chains of MMAs
+            for the scheduler to interleave."""
             for kk in T.unroll(d // 16):
                 if a_regs is None:
                     for mi in T.unroll(mt):
                         ld_a(bf, 8 + mi * 8, a_smem, a_row + mi * 16, kk * 16, lane)
+                        if acc2 is not None:
+                            ld_a(bf2, 8 + mi * 8, a2_smem, a_row + mi * 16, kk * 16, lane)
                 for jp in T.unroll(n // 16):
                     ld_b(bf, b_smem, b_row + jp * 16, kk * 16, lane)
+                    if acc2 is not None:
+                        ld_b(bf2, b2_smem, b_row + jp * 16, kk * 16, lane)
                     for half in T.unroll(2):
                         for mi in T.unroll(mt):
                             if a_regs is None:
@@ -203,19 +215,38 @@ class _Fragments:
                             else:
                                 mma(a_regs, mi * (d // 2) + kk * 8, bf, half * 4, acc,
                                     mi * (n // 2) + (jp * 2 + half) * 4)
+                            if acc2 is not None:
+                                mma(bf2, 8 + mi * 8, bf2, half * 4, acc2,
+                                    mi * (n // 2) + (jp * 2 + half) * 4)
 
         @T.macro
-        def gemm_nn(acc, a_regs, k, b_smem, b_row, bf, lane):
+        def gemm_nt(acc, a_regs, a_smem, a_row, b_smem, b_row, n, bf, lane):
+            """One product of :func:`gemm_nt_pair`."""
+            gemm_nt_pair(acc, a_regs, a_smem, b_smem, None, None, None, a_row, b_row, n, bf,
+                         None, lane)
+
+        @T.macro
+        def gemm_nn_pair(acc, a_regs, b_smem, acc2, a2_regs, b2_smem, k, b_row, bf, bf2, lane):
             """``acc (16 mt x d) += A B``: A (16 mt x k) in registers in the accumulator layout
             of a 16 mt x k product (P, dS), B ``k`` rows of ``b_smem`` from ``b_row``, stored
-            (k, d)."""
+            (k, d). Unless ``acc2`` is None, ``acc2 += A2 B2`` likewise in the same loop."""
             for kk in T.unroll(k // 16):
                 for np_ in T.unroll(d // 16):
                     ld_bt(bf, b_smem, b_row + kk * 16, np_ * 16, lane)
+                    if acc2 is not None:
+                        ld_bt(bf2, b2_smem, b_row + kk * 16, np_ * 16, lane)
                     for half in T.unroll(2):
                         for mi in T.unroll(mt):
                             mma(a_regs, mi * (k // 2) + kk * 8, bf, half * 4, acc,
                                 mi * (d // 2) + (np_ * 2 + half) * 4)
+                            if acc2 is not None:
+                                mma(a2_regs, mi * (k // 2) + kk * 8, bf2, half * 4, acc2,
+                                    mi * (d // 2) + (np_ * 2 + half) * 4)
+
+        @T.macro
+        def gemm_nn(acc, a_regs, k, b_smem, b_row, bf, lane):
+            """One product of :func:`gemm_nn_pair`."""
+            gemm_nn_pair(acc, a_regs, b_smem, None, None, None, k, b_row, bf, None, lane)
 
         @T.macro
         def quad_reduce(x, i, op):
@@ -243,6 +274,7 @@ class _Fragments:
 
         self.copy_rows, self.load_a = copy_rows, load_a
         self.gemm_nt, self.gemm_nn, self.quad_reduce = gemm_nt, gemm_nn, quad_reduce
+        self.gemm_nt_pair, self.gemm_nn_pair = gemm_nt_pair, gemm_nn_pair
         self.zero, self.store_rows = zero, store_rows
         self.ready = _ready(tile.stages)
 
@@ -600,9 +632,11 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
         dOs = T.alloc_buffer((stages * BQ, D + ROW_PAD), dtype, scope="shared.dyn")
         stats = T.alloc_buffer((stages * 2 * BQ,), F32, scope="shared.dyn")  # LSE, Delta
         bf = T.alloc_buffer((8 + 8 * MT,), dtype, scope="local")
+        bf2 = T.alloc_buffer((8 + 8 * MT,), dtype, scope="local")
         st = T.alloc_buffer((MT * NS * 4,), F32, scope="local")
         dpt = T.alloc_buffer((MT * NS * 4,), F32, scope="local")
         pt = T.alloc_buffer((MT * NS * 4,), dtype, scope="local")
+        dst = T.alloc_buffer((MT * NS * 4,), dtype, scope="local")
         dk = T.alloc_buffer((MT * NO * 4,), F32, scope="local")
         dv = T.alloc_buffer((MT * NO * 4,), F32, scope="local")
         # c: batch, kv head, first key, first query tile that sees it, query tiles per head,
@@ -639,9 +673,11 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
             f.ready()
             sq = T.meta_var(i % stages * BQ)  # this step's rows of Qs / dOs
             ss = T.meta_var(i % stages * 2 * BQ)  # and of stats
-            # S^T = K Q^T, P^T recomputed from the LSE of each column (query)
+            # S^T = K Q^T and dP^T = V dO^T in one loop; P^T recomputed from the LSE of each
+            # column (query)
             f.zero(st, MT * NS * 4)
-            f.gemm_nt(st, None, Ks, w * MT * 16, Qs, sq, BQ, bf, lane)
+            f.zero(dpt, MT * NS * 4)
+            f.gemm_nt_pair(st, None, Ks, Qs, dpt, Vs, dOs, w * MT * 16, sq, BQ, bf, bf2, lane)
             for i2, e in T.grid(MT * NS, 4):
                 st[i2 * 4 + e] = T.cast(T.cast(_prob(
                     st[i2 * 4 + e], scale, stats[ss + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
@@ -651,16 +687,13 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
                     if not visible(causal, q0 + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS),
                                    key_row + _row_offset(i2 * 4 + e, NS), Lq, Lk):
                         st[i2 * 4 + e] = T.float32(0)
-            for i2 in T.unroll(MT * NS * 4):
-                pt[i2] = T.cast(st[i2], dtype)
-            f.gemm_nn(dv, pt, BQ, dOs, sq, bf, lane)  # dV += P^T dO
-            f.zero(dpt, MT * NS * 4)
-            f.gemm_nt(dpt, None, Vs, w * MT * 16, dOs, sq, BQ, bf, lane)  # dP^T = V dO^T
+            # dS^T = P^T (dP^T - Delta); dV += P^T dO and dK += dS^T Q in one loop
             for i2, e in T.grid(MT * NS, 4):
-                pt[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * (
+                pt[i2 * 4 + e] = T.cast(st[i2 * 4 + e], dtype)
+                dst[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * (
                     dpt[i2 * 4 + e] - stats[ss + BQ + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
                     dtype)
-            f.gemm_nn(dk, pt, BQ, Qs, sq, bf, lane)  # dK += dS^T Q
+            f.gemm_nn_pair(dv, pt, dOs, dk, dst, Qs, BQ, sq, bf, bf2, lane)
             T.tvm_storage_sync("shared")
 
         f.store_rows(dK, c[0], c[1], c[2], Lk, dk, scale, w, lane)

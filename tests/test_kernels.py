@@ -72,7 +72,7 @@ def test_cuda_tiled_kernels_are_warp_level_mma(target, op, dtype):
     assert "wmma" not in src
 
 
-MAX_SPILL_BYTES = 32
+MAX_SPILL_BYTES = 48
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
@@ -81,8 +81,8 @@ MAX_SPILL_BYTES = 32
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_warp_level_kernels_stay_in_registers(op, d, dtype, tmp_path):
     """ptxas keeps every warp-level kernel in registers but for a few bytes: the chosen tiles
-    sit at 255 registers, and those spilling at most 28 bytes measured faster than every
-    spill-free alternative (docs/perf.md v6); a fragment array pushed out to local memory
+    sit at 255 registers, and those spilling at most 40 bytes measured faster than every
+    spill-free alternative (docs/perf.md v6, v7); a fragment array pushed out to local memory
     would spill hundreds."""
     src = tmp_path / "k.cu"
     src.write_text(device_source(compile_module(_key(op, d, dtype, "cuda-sm_90", "top-left", 1))))
