@@ -26,7 +26,7 @@ Per kernel (``W`` warps of 32 lanes and ``mt`` m-tiles, ``16 mt W`` rows per blo
 * the forward's row max and sum are balanced trees over a lane's elements, its exponent one
   FMA (scale and log2(e) folded), and the -inf guards are per row, not per element.
 
-Registers (ptxas, sm_90; docs/perf.md v6): at most 255, a few spilled bytes where measured
+Registers (ptxas, sm_90; docs/perf.md v6, v7): at most 255, a few spilled bytes where measured
 faster (see :func:`tile`).
 """
 
@@ -100,7 +100,7 @@ def supports(key: KernelKey) -> bool:
 
 
 def tile(key: KernelKey) -> MmaTile:
-    """Chosen from sweeps on the H200 (docs/perf.md v5, v6):
+    """Chosen from sweeps on the H200 (docs/perf.md v5-v7):
 
     * forward and dQ: 4 warps of two m-tiles (128 query rows; v6: dQ +16-24%, forward up to
       +15% over one m-tile), 64-key steps up to D = 64 and 32 above, except the bf16 forward
@@ -109,7 +109,7 @@ def tile(key: KernelKey) -> MmaTile:
       +16% over 4 warps x 32); up to D = 64 4 warps of two m-tiles own 128 keys and take 32
       queries a step (v7, with S^T/dP^T and dV/dK each in one loop: +6-12% over one m-tile);
       splitting D over two warps with P and dS through shared memory (FlashAttention-2's
-      layout) measured +0.5% at D = 128 and -5-20% at D = 64 (v7), so it is not done;
+      layout) measured +0.5-2% at D = 128 (noise) and -5-35% at D = 64 (v7), so it is not done;
     * two stages (three measured from +1% to -38%, and for dK/dV from +1% to -20%).
 
     Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 40, docs/perf.md
