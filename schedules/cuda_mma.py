@@ -20,7 +20,8 @@ Per kernel (``W`` warps of 32 lanes and ``mt`` m-tiles, ``16 mt W`` rows per blo
   the next stage while the tensor cores work on this one;
 * a lane holds rows ``16 mi + g`` and ``16 mi + g + 8`` of its warp's, columns
   ``8 j + 2 t + {0, 1}``; with two m-tiles every B fragment loaded feeds two MMAs;
-* only tiles that cross the causal diagonal or the end of the sequence are masked;
+* only tiles that cross the causal diagonal or the end of the sequence are masked, and causal
+  blocks take their tiles longest first across all heads (:func:`_block_order`);
 * dK/dV's two pairs of independent products (S^T and dP^T, then dV and dK) each run in one
   loop, two chains of MMAs for the scheduler to interleave;
 * the forward's row max and sum are balanced trees over a lane's elements, its exponent one
