@@ -110,6 +110,18 @@ def test_mma_tile_must_divide_over_the_threads():
         mma.flash_dkv(key, mma.MmaTile(warps=8, step=16))
 
 
+@pytest.mark.parametrize("causal", ["none", "top-left"])
+def test_mma_block_order_visits_every_tile_once(causal):
+    """Causal blocks are numbered longest tile first across all heads, unmasked ones head by
+    head; either way the grid covers every (tile, batch x head) exactly once."""
+    mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
+    tiles, heads = 5, 3
+    order = [mma._block_order(causal, bx, tiles, heads) for bx in range(tiles * heads)]
+    assert sorted(order) == [(t, h) for t in range(tiles) for h in range(heads)]
+    first = [t for t, _ in order[:heads]]
+    assert first == ([0] * heads if causal != "none" else [0, 1, 2])
+
+
 def _poisoned(shape, dtype, device):
     return torch.full(shape, math.nan, dtype=dtype, device=device)
 
