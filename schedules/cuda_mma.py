@@ -195,15 +195,15 @@ class _Fragments:
             """``acc (16 mt x n) += A B^T`` over the head dim: A the warp's rows (``a_regs``
             preloaded by ``load_a``, or ``a_smem`` rows from ``a_row``), B ``n`` rows of
             ``b_smem`` from ``b_row``; both stored (row, d). ``acc``: m-tile ``mi`` from
-            ``mi n / 2``. Unless ``acc2`` is None, ``acc2 += A2 B2^T`` likewise (A2 from
+            ``mi n / 2``. Unless ``acc2`` is None, ``acc2 += A2 B2^T`` likewise (A2 always from
             ``a2_smem``, fragments in ``bf2``) in the same loop: two independent chains of MMAs
             for the scheduler to interleave."""
             for kk in T.unroll(d // 16):
-                if a_regs is None:
-                    for mi in T.unroll(mt):
+                for mi in T.unroll(mt):
+                    if a_regs is None:
                         ld_a(bf, 8 + mi * 8, a_smem, a_row + mi * 16, kk * 16, lane)
-                        if acc2 is not None:
-                            ld_a(bf2, 8 + mi * 8, a2_smem, a_row + mi * 16, kk * 16, lane)
+                    if acc2 is not None:
+                        ld_a(bf2, 8 + mi * 8, a2_smem, a_row + mi * 16, kk * 16, lane)
                 for jp in T.unroll(n // 16):
                     ld_b(bf, b_smem, b_row + jp * 16, kk * 16, lane)
                     if acc2 is not None:
@@ -347,8 +347,8 @@ def _block_order(causal: str, bx, tiles, heads):
     """Block ``bx``'s (tile, counted from the last; batch x head) among ``tiles`` tiles of each
     of ``heads`` (batch, head) pairs. Causal tiles differ in length, the last (longest) ones
     most, so blocks take them longest first across all heads: the final wave holds the
-    shortest (docs/perf.md v7: +5-11% forward and GQA dK/dV). Unmasked tiles are equal and a
-    head's tiles stay adjacent, sharing its K/V (or Q/dO) in L2."""
+    shortest (docs/perf.md v7b: +4-11% causal forward, +11% GQA dK/dV). Unmasked tiles are
+    equal and a head's tiles stay adjacent, sharing its K/V (or Q/dO) in L2."""
     if causal == "none":
         return bx % tiles, bx // tiles
     return bx // heads, bx % heads
