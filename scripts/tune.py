@@ -24,8 +24,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tvm_flash import tuning  # noqa: E402
-from tvm_flash.build import parse_target, schedules, target_kind  # noqa: E402
+from tvm_flash.build import schedules  # noqa: E402
 from tvm_flash.key import CAUSAL_MODES, DTYPES, KernelKey  # noqa: E402
+from tvm_flash.target import parse_target, target_kind  # noqa: E402
 
 SHORT = {v: k for k, v in DTYPES.items()}
 

@@ -13,7 +13,7 @@ from conftest import HAS_CUDA
 
 import tvm_flash
 from tvm_flash import ArtifactError, KernelKey, artifacts
-from tvm_flash.build import target_tag_for_device
+from tvm_flash.target import target_tag_for_device
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BUILD = [sys.executable, str(ROOT / "scripts" / "build.py")]

@@ -13,16 +13,10 @@ from conftest import DEVICES
 
 from tvm_flash import KernelKey, attention, attention_reference
 from tvm_flash.artifacts import kernel
-from tvm_flash.build import (
-    compile_module,
-    device_source,
-    make_target,
-    scheduled_module,
-    schedules,
-    target_tag_for_device,
-)
+from tvm_flash.build import compile_module, device_source, scheduled_module, schedules
 from tvm_flash.kernels import FACTORIES, TileConfig
 from tvm_flash.key import MERGE_OPS, OPS
+from tvm_flash.target import make_target, target_tag_for_device
 
 
 def _key(op, d, dtype, target, causal="bottom-right", group=4):

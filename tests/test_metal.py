@@ -77,7 +77,7 @@ def test_build_script_writes_metal_artifacts(tmp_path):
 
 
 def test_metal_target_has_macos_arm64_host():
-    from tvm_flash.build import make_target
+    from tvm_flash.target import make_target
 
     target = make_target("metal-apple-m3")
     assert target.kind.name == "metal"

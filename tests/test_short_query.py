@@ -114,8 +114,8 @@ def test_raw_short_query_kernels_overwrite_poisoned_outputs(causal, device):
     """Call the short-query kernels directly with NaN-filled partials and outputs (3 splits,
     the last one empty): every element is written."""
     from tvm_flash.artifacts import kernel
-    from tvm_flash.build import target_tag_for_device
     from tvm_flash.key import KernelKey
+    from tvm_flash.target import target_tag_for_device
 
     b, hq, hkv, lq, lk, d, ns = 2, 4, 2, 3, 70, 64, 3
     q, k, v, do = make_inputs(b, hq, hkv, lq, lk, d, torch.float32, device)

@@ -49,9 +49,9 @@ from .build import (
     device_source,
     fingerprint,
     scheduled_module,
-    target_kind,
 )
 from .key import DTYPES, KernelKey
+from .target import target_kind
 
 MANIFEST = "manifest.json"
 FORMAT = 1

@@ -18,6 +18,7 @@ import tvm
 from . import _schedules_path
 from .kernels import FACTORIES, TileConfig
 from .key import KernelKey
+from .target import make_target, target_kind
 
 schedules = _schedules_path.load()
 
@@ -25,61 +26,6 @@ SYMBOLS = {"fwd": "flash_fwd", "bwd_pre": "flash_bwd_pre", "dq": "flash_dq", "dk
            "fwd_split": "flash_fwd_split", "fwd_merge": "flash_fwd_merge",
            "dq_split": "flash_dq_split", "dq_merge": "flash_dq_merge", "dkv_packed": "flash_dkv"}
 """Name of the entry function of each kernel's module."""
-
-
-def target_kind(tag: str) -> str:
-    return tag.split("-", 1)[0]
-
-
-METAL_HOST = {"kind": "llvm", "mtriple": "arm64-apple-macos"}
-"""Host code for Metal artifacts: Apple silicon Macs."""
-
-
-def parse_target(spec: str) -> str:
-    """Target tag from a user spec: ``llvm``, ``cuda:sm_90`` / ``cuda-sm_90``, ``cuda`` (the
-    local GPU's arch), ``metal`` or ``metal:apple-m2`` (a chip name for tuning logs)."""
-    spec = spec.strip().lower().replace(":", "-")
-    if spec in ("llvm", "cpu"):
-        return "llvm"
-    if spec == "metal" or (spec.startswith("metal-") and spec[6:].replace("-", "").isalnum()):
-        return spec
-    if spec == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("target: 'cuda' needs a visible GPU to pick the arch; name it, "
-                             "e.g. cuda:sm_90")
-        major, minor = torch.cuda.get_device_capability()
-        return f"cuda-sm_{major}{minor}"
-    if spec.startswith("cuda-sm_") and spec[len("cuda-sm_"):].isdigit():
-        return spec
-    raise ValueError(f"target: {spec!r} is not one of llvm, cuda, cuda:sm_XY, metal, "
-                     "metal:CHIP")
-
-
-def make_target(tag: str) -> tvm.target.Target:
-    """TVM target for a target tag: ``llvm`` or ``cuda-sm_XY``."""
-    if tag == "llvm":
-        return tvm.target.Target({"kind": "llvm"})
-    if tag.startswith("cuda-sm_"):
-        return tvm.target.Target({"kind": "cuda", "arch": tag[len("cuda-"):]})
-    if target_kind(tag) == "metal":
-        return tvm.target.Target({"kind": "metal"}, host=METAL_HOST)
-    raise ValueError(f"target: unknown target tag {tag!r}; use llvm, cuda-sm_XY or metal")
-
-
-def target_tag_for_device(device) -> str:
-    """Target tag for a torch device: ``llvm`` for CPU, ``cuda-sm_XY`` for a CUDA device."""
-    if device.type == "cpu":
-        return "llvm"
-    if device.type == "cuda":
-        import torch
-
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"cuda-sm_{major}{minor}"
-    if device.type == "mps":
-        return "metal"
-    raise ValueError(f"device: tvm-flash runs on cpu, cuda and mps tensors, not {device.type!r}")
 
 
 def scheduled_module(key: KernelKey, tuned: dict | None = None) -> tvm.IRModule:

@@ -14,8 +14,9 @@ import tvm
 import tvm_ffi
 
 from .artifacts import kernel
-from .build import target_tag_for_device
 from .key import HEAD_DIMS, KernelKey
+from .layout import kernel_view as _dense
+from .target import target_tag_for_device
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
@@ -145,18 +146,6 @@ def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
     if sinks is not None:
         dsinks = sink_gradient(sinks, lse, delta)
     return dq, dk, dv, dsinks
-
-
-VECTOR_ALIGN = 16
-"""Bytes the kernels' vector loads (CUDA: 16-byte ``cp.async`` / vector copies of tile rows)
-need a tensor's data to be aligned to. A tensor at another address (a view with an odd storage
-offset) is copied."""
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous and ``VECTOR_ALIGN``-aligned: itself when it is, else a copy."""
-    t = t.contiguous()
-    return t if t.data_ptr() % VECTOR_ALIGN == 0 else t.clone()
 
 
 # ----------------------------------------------------------------------- torch custom ops

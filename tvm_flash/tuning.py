@@ -40,9 +40,10 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from .build import make_target, pass_config, schedules, target_kind
+from .build import pass_config, schedules
 from .kernels import FACTORIES, TileConfig
 from .key import KernelKey
+from .target import make_target, target_kind
 
 BUCKETS = {"any": {"gpu": {"B": 2, "Hq": 16, "L": 4096}, "cpu": {"B": 1, "Hq": 4, "L": 256}}}
 """Length buckets and their representative shapes (one bucket, ``any``, for now)."""
