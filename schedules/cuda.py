@@ -1,6 +1,8 @@
-"""CUDA (sm_80, sm_90).
+"""CUDA (sm_80, sm_90, sm_90a).
 
-fp16/bf16 forward, dQ and dK/dV with head dims up to 128 run the warp-level ``mma.sync``
+On ``sm_90a`` (Hopper with its arch-specific instructions) the fp16/bf16 forward at head dims
+64 and 128 runs the ``wgmma`` + TMA kernel of :mod:`.cuda_hopper`. Elsewhere fp16/bf16
+forward, dQ and dK/dV with head dims up to 128 run the warp-level ``mma.sync``
 kernels of :mod:`.cuda_mma` (S, P and the running sums in registers, ``cp.async`` double
 buffering); everything else — fp32, larger head dims, the short-query and merge kernels — is
 scheduled from the kernel factories by the SIMT GPU schedule (up to 100 KiB of dynamic shared
@@ -13,20 +15,29 @@ from __future__ import annotations
 
 from tvm_flash.key import KernelKey
 
-from . import cuda_mma, gpu
+from . import cuda_hopper, cuda_mma, gpu
 
 
 class CudaSchedule(gpu.GpuSchedule):
     """The GPU schedule, with the warp-level kernels where they apply (``lowered``)."""
 
     def lowers(self, key: KernelKey) -> bool:
-        return cuda_mma.supports(key)
+        return cuda_hopper.supports(key) or cuda_mma.supports(key)
 
     def lowered(self, key: KernelKey):
         """The hand-lowered PrimFunc for ``key``, or None where the factory is scheduled."""
+        if cuda_hopper.supports(key):
+            return cuda_hopper.kernel(key)
         return cuda_mma.kernel(key) if cuda_mma.supports(key) else None
 
+    def pipeline(self, key: KernelKey) -> str | None:
+        """TVM's lowering pipeline: the Hopper kernels are written in TIRx's device-region
+        form (``T.device_entry``, host-side tensor maps) and need its ``tirx`` pipeline."""
+        return "tirx" if cuda_hopper.supports(key) else None
+
     def tile_config(self, key: KernelKey):
+        if cuda_hopper.supports(key):
+            return cuda_hopper.tile(key).tile_config(key.op)
         if cuda_mma.supports(key):
             return cuda_mma.tile(key).tile_config(key.op)
         return super().tile_config(key)

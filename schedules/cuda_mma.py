@@ -95,7 +95,9 @@ class MmaTile:
 
 def supports(key: KernelKey) -> bool:
     """Whether ``key`` runs on these kernels: fwd/dq/dkv, fp16/bf16, D in HEAD_DIMS, sm_80+."""
-    arch = key.target[len("cuda-sm_"):] if key.target.startswith("cuda-sm_") else ""
+    # "90a": Hopper with its arch-specific instructions, still an sm_90 for mma.sync
+    arch = key.target[len("cuda-sm_"):].removesuffix("a") if key.target.startswith(
+        "cuda-sm_") else ""
     return (key.op in OPS and key.dtype in _PTX and key.head_dim in HEAD_DIMS
             and arch.isdigit() and int(arch) >= 80)
 

@@ -85,8 +85,11 @@ def compile_module(key: KernelKey, mod: tvm.IRModule | None = None):
     """Lower ``key`` for its target. For CUDA the result holds CUDA source, see
     :func:`compile_device_code`."""
     mod = scheduled_module(key) if mod is None else mod
-    with tvm.transform.PassContext(config=pass_config(target_kind(key.target))):
-        return tvm.tirx.build(mod, target=make_target(key.target))
+    kind = target_kind(key.target)
+    hook = getattr(schedules.for_target(kind), "pipeline", None)
+    pipeline = (hook(key) if hook else None) or "default"
+    with tvm.transform.PassContext(config=pass_config(kind)):
+        return tvm.tirx.build(mod, target=make_target(key.target), pipeline=pipeline)
 
 
 def pass_config(kind: str) -> dict:

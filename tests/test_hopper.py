@@ -1,0 +1,81 @@
+"""The Hopper (sm_90a) kernel family, checked without a GPU: which keys it serves, that every
+one lowers to wgmma + TMA code, and (where nvcc is installed) that ptxas keeps it in registers
+and never serialises its wgmma. The maths runs on the H200 (the `gpu` suite picks these kernels
+on an sm_90 device, see ``tvm_flash.target.cuda_tag``)."""
+
+import importlib
+import itertools
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tvm_flash.build import compile_module, device_source, schedules
+from tvm_flash.key import KernelKey
+from tvm_flash.target import cuda_tag, parse_target
+
+hopper = importlib.import_module("tvm_flash.schedules.cuda_hopper")
+
+KEYS = [KernelKey("fwd", d, dt, causal, g, "cuda-sm_90a", sinks=sinks)
+        for d, dt, causal, (g, sinks) in itertools.product(
+            (64, 128), ("float16", "bfloat16"), ("none", "top-left", "bottom-right"),
+            ((1, False), (4, True)))]
+
+
+def test_hopper_serves_the_sm90a_forward_only():
+    assert hopper.supports(KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a"))
+    for key in (KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90"),  # no wgmma
+                KernelKey("fwd", 128, "float32", "none", 1, "cuda-sm_90a"),  # fp32: SIMT
+                KernelKey("fwd", 96, "bfloat16", "none", 1, "cuda-sm_90a"),  # not a 64-multiple
+                KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a")):  # backward: mma
+        assert not hopper.supports(key), key.name
+    # the rest of an sm_90a build is the sm_80+ family compiled for that arch
+    mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
+    assert mma.supports(KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a"))
+    assert schedules.lowers("cuda", KernelKey("dkv", 64, "float16", "top-left", 1, "cuda-sm_90a"))
+
+
+def test_hopper_devices_get_the_sm90a_tag(monkeypatch):
+    monkeypatch.delenv("TVM_FLASH_HOPPER", raising=False)
+    assert cuda_tag(9, 0) == "cuda-sm_90a"
+    assert cuda_tag(8, 0) == "cuda-sm_80"
+    monkeypatch.setenv("TVM_FLASH_HOPPER", "0")  # the mma.sync kernels, side by side
+    assert cuda_tag(9, 0) == "cuda-sm_90"
+    assert parse_target("cuda:sm_90a") == "cuda-sm_90a"
+    with pytest.raises(ValueError, match="target"):
+        parse_target("cuda:sm_9x")
+
+
+def test_tile_must_fit_shared_memory():
+    key = KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a")
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        hopper.kernel(key, hopper.HopperTile(step=256, stages=3))
+
+
+@pytest.mark.parametrize("key", KEYS, ids=lambda k: k.name)
+def test_every_hopper_key_lowers_to_wgmma_and_tma(key):
+    src = device_source(compile_module(key))
+    for needle in ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.tensor.4d",
+                   "mbarrier.try_wait", "setmaxnreg.inc", "__grid_constant__ CUtensorMap"):
+        assert needle in src, needle
+    assert "mma.sync" not in src and "ldmatrix" not in src
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
+@pytest.mark.parametrize("key", [k for k in KEYS if k.group == 1 and k.causal != "bottom-right"],
+                         ids=lambda k: k.name)
+def test_hopper_kernels_stay_in_registers_and_keep_wgmma_asynchronous(key, tmp_path):
+    """No spill; and none of ptxas's notes that it injected a wgmma fence or wait (C7517,
+    C7519) or serialised the wgmma of a pipeline stage (C7510-C7516): each would mean the
+    tensor cores wait on the softmax, the overlap the kernel is built for."""
+    src = tmp_path / "k.cu"
+    src.write_text(device_source(compile_module(key)))
+    res = subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-cubin",
+                          "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", res.stderr)]
+    assert spilled and max(spilled) == 0, res.stderr
+    notes = re.findall(r"\(C75(1[0-9])\)", res.stderr)
+    assert not notes, res.stderr
