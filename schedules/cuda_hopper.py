@@ -19,8 +19,9 @@ Per block: a producer warpgroup and ``consumers`` warpgroups of 64 query rows ea
   consumers release a stage's K and its V on separate "empty" mbarriers, so the next K can
   arrive while this V is still being read;
 * tiles are stored as 64-column "atoms" of 128-byte rows in the 128-byte swizzle that both
-  TMA and ``wgmma`` descriptors understand (an atom's 8-row groups are 1024 bytes apart), so no
-  thread ever computes a shared-memory address for the operands;
+  TMA and ``wgmma`` descriptors understand (an atom's 8-row groups are 1024 bytes apart; head
+  dims that are not a multiple of 64 take 32-column atoms in the 64-byte swizzle), so no thread
+  ever computes a shared-memory address for the operands;
 * S = Q K^T: ``wgmma`` m64 n``BK`` k16 with both operands from shared memory (K-major);
   P = exp2(S scale log2 e - m) rounded to the input dtype stays in registers, where the
   accumulator layout of S is the A-operand layout of the next product; O += P V: ``wgmma``
@@ -59,9 +60,8 @@ from .cuda_mma import _block_order, _lane_row, _mask_needed, _row_tree
 
 F32 = "float32"
 WG = 128  # threads of a warpgroup
-ATOM = 64  # 16-bit elements of a 128-byte swizzled row
 OPS = ("fwd",)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
 _TMA = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
 # ``asm volatile("" : "+f"(r))``: pins an accumulator register in place around wgmma's
@@ -69,7 +69,14 @@ _TMA = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::by
 # of it past ``fence`` (TVM 0.27's ``T.cuda.wgmma.noop_barrier`` is broken: shared/hopper/NOTES).
 _PIN = '#define TVMF_PIN(r) asm volatile("" : "+f"(r) :: "memory")\n'
 _PIN_U32 = '#define TVMF_PIN_U32(r) asm volatile("" : "+r"(r) :: "memory")\n'
-SWIZZLE_128B = 3  # descriptor and tensor-map code for the 128-byte swizzle
+SWIZZLE = {128: 3, 64: 2}  # descriptor and tensor-map codes of the 128/64-byte swizzles
+
+
+def atom(d: int) -> int:
+    """Columns of a tile's swizzle atom: 64 (128-byte rows, the widest swizzle) where the head
+    dim is a multiple of 64, else 32 (64-byte rows; every supported head dim is a multiple of
+    32)."""
+    return 64 if d % 64 == 0 else 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +115,13 @@ def supports(key: KernelKey) -> bool:
 
 
 def tile(key: KernelKey) -> HopperTile:
-    """Two consumer warpgroups (128 query rows), 128-key steps, two stages, from an H200 sweep
-    (docs/perf.md, "Hopper forward"): D 128 bf16 N 4096 532 TFLOP/s against 523 with three
-    stages, 532 with 176-key steps (which spill) and 432 for the best tile without the producer
-    warpgroup; at D 128 that is 160 KiB of shared memory, at D 64 80 KiB."""
-    return HopperTile()
+    """Two consumer warpgroups (128 query rows) and two stages; 128-key steps up to D 160, fewer
+    above, where O's D / 2 registers a thread crowd out S and P (D 256: 128 + 32 + 16) and the
+    K/V ring outgrows shared memory. D 64 and 128 from an H200 sweep (docs/perf.md, "Hopper
+    forward"): at D 128 bf16 N 4096 532 TFLOP/s against 523 with three stages, 532 with
+    176-key steps (which spill) and 432 for the best tile without the producer warpgroup."""
+    d = key.head_dim
+    return HopperTile(step=128 if d <= 160 else 96 if d == 192 else 64)
 
 
 @T.macro
@@ -134,10 +143,10 @@ def quad_reduce(x, i, op):
     x[i] = op(x[i], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), x[i], 2, 32, 32))
 
 
-def _desc(d, ptr, ldo: int, sdo: int):
-    """Fill the 64-bit ``wgmma`` matrix descriptor ``d`` for a 128-byte-swizzled tile at
-    ``ptr`` (offsets in 16-byte units)."""
-    return T.cuda.wgmma.encode_matrix_descriptor(T.address_of(d), ptr, ldo, sdo, SWIZZLE_128B)
+def _desc(d, ptr, ldo: int, sdo: int, swizzle: int):
+    """Fill the 64-bit ``wgmma`` matrix descriptor ``d`` for a swizzled tile at ``ptr``
+    (offsets in 16-byte units)."""
+    return T.cuda.wgmma.encode_matrix_descriptor(T.address_of(d), ptr, ldo, sdo, swizzle)
 
 
 def flash_forward(key: KernelKey, tile: HopperTile):
@@ -155,7 +164,10 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     D, dtype, causal, sinks, group = key.head_dim, key.dtype, key.causal, key.sinks, key.group
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
-    NA = D // ATOM
+    ATOM = atom(D)
+    NA, KA = D // ATOM, ATOM // 16  # atoms of a tile row; k16 steps of an atom
+    ROW = ATOM * 2 // 16  # an atom row, in 16-byte units
+    SW = SWIZZLE[ATOM * 2]
     NS, NO = BK // 8, D // 8
     ab = _PTX[dtype]
     mma_s = f"wgmma.mma_async.sync.aligned.m64n{BK}k16.f32.{ab}.{ab}"
@@ -166,7 +178,10 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     bar_off = v_off + ST * kv_bytes
     NB = 1 + 4 * ST  # Q; K full, V full, K empty, V empty per stage
     pool_bytes = bar_off + 8 * NB
-    v_ldo, v_sdo = BK * 128 // 16, 1024 // 16
+    # descriptor strides (16-byte units): K-major Q and K, 8-row groups 8 ROW apart (SBO);
+    # V read MN-major: its atoms (head-dim columns) a stage's rows apart (LBO), 8-row groups
+    # 8 ROW apart (SBO)
+    v_ldo, v_sdo = BK * ROW, 8 * ROW
     FK, FV, EK, EV = 1, 1 + ST, 1 + 2 * ST, 1 + 3 * ST  # first barrier of each kind
     # registers: the producer keeps 24, the consumers share the rest of the 64 Ki
     regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
@@ -187,10 +202,10 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         arrived. Descriptors and operands are final before the one fence: a register a wgmma
         reads that changes after the fence makes ptxas inject another (C7519)."""
         if do_s:
-            _desc(dk[0], T.address_of(Ks[js % ST, 0, 0, 0]), 1, 1024 // 16)
+            _desc(dk[0], T.address_of(Ks[js % ST, 0, 0, 0]), 1, 8 * ROW, SW)
             T.cuda.mbarrier_wait(T.address_of(bars[FK + js % ST]), js // ST % 2)
         if do_pv:
-            _desc(dv[0], T.address_of(Vs[jv % ST, 0, 0, 0]), v_ldo, v_sdo)
+            _desc(dv[0], T.address_of(Vs[jv % ST, 0, 0, 0]), v_ldo, v_sdo, SW)
             T.cuda.mbarrier_wait(T.address_of(bars[FV + jv % ST]), jv // ST % 2)
         pin(s, NS * 4)
         pin_u32(pw, NS * 2)
@@ -199,15 +214,15 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         if do_s:
             for kk in T.unroll(D // 16):
                 T.ptx[mma_s](*[s[i] for i in range(NS * 4)],
-                             dq[0] + T.uint64(kk // 4 * (BM * 128 // 16) + kk % 4 * 2),
-                             dk[0] + T.uint64(kk // 4 * (BK * 128 // 16) + kk % 4 * 2),
+                             dq[0] + T.uint64(kk // KA * BM * ROW + kk % KA * 2),
+                             dk[0] + T.uint64(kk // KA * BK * ROW + kk % KA * 2),
                              T.bool(kk > 0), 1, 1, 0, 0)
             T.ptx.wgmma.commit_group.sync.aligned()
         if do_pv:
             for kk in T.unroll(BK // 16):
                 T.ptx[mma_o](*[acc[i] for i in range(NO * 4)],
                              pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
-                             dv[0] + T.uint64(kk * (16 * 128 // 16)), T.bool(True), 1, 1, 1)
+                             dv[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 1)
             T.ptx.wgmma.commit_group.sync.aligned()
 
     @T.macro
@@ -261,13 +276,13 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         Sinks = T.match_buffer(sinks_h, (Hq,), F32)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", qmap, dtype, 4, Q.data, D, Lq, Hq, B,
-                      ql * 2, qh * 2, qb * 2, ATOM, BM, 1, 1, 1, 1, 1, 1, 0, SWIZZLE_128B, 2, 0)
+                      ql * 2, qh * 2, qb * 2, ATOM, BM, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", kmap, dtype, 4, K.data, D, Lk, Hkv, B,
-                      kl * 2, kh * 2, kb * 2, ATOM, BK, 1, 1, 1, 1, 1, 1, 0, SWIZZLE_128B, 2, 0)
+                      kl * 2, kh * 2, kb * 2, ATOM, BK, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
         vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", vmap, dtype, 4, V.data, D, Lk, Hkv, B,
-                      vl * 2, vh * 2, vb * 2, ATOM, BK, 1, 1, 1, 1, 1, 1, 0, SWIZZLE_128B, 2, 0)
+                      vl * 2, vh * 2, vb * 2, ATOM, BK, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
         T.device_entry()
         # one block per SM: the register cap that setmaxnreg redistributes
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
@@ -344,7 +359,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                 else:
                     m[r] = neg_inf()
                     lsum[r] = T.float32(0)
-            _desc(dq[0], T.address_of(Qs[0, cw * 64, 0]), 1, 1024 // 16)
+            _desc(dq[0], T.address_of(Qs[0, cw * 64, 0]), 1, 8 * ROW, SW)
             T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
             n = T.meta_var(c[4])
             if n > 0:
