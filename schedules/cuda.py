@@ -7,8 +7,8 @@ kernels of :mod:`.cuda_mma` (S, P and the running sums in registers, ``cp.async`
 buffering); everything else — fp32, larger head dims, the short-query and merge kernels — is
 scheduled from the kernel factories by the SIMT GPU schedule (up to 100 KiB of dynamic shared
 memory per block, two blocks per SM). The block-level WMMA schedule that preceded the
-warp-level kernels (docs/perf.md v3, v4) was removed with them: on sm_80+ it no longer served
-any kernel.
+warp-level kernels (docs/journal/perf-history.md v3, v4) was removed with them: on sm_80+ it no
+longer served any kernel.
 """
 
 from __future__ import annotations

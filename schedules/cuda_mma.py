@@ -1,16 +1,15 @@
 """CUDA (sm_80+, fp16/bf16): forward, dQ and dK/dV written at warp level on ``mma.sync``.
 
 Why these kernels are written here and not scheduled from ``tvm_flash.kernels``: block-level
-tensorization (the WMMA schedule of docs/perf.md v3/v4, since removed) keeps a GEMM's product in
-an opaque fragment, so S, P and every partial product made a float32 round trip through shared
-memory; at best that reached 0.23x the FlashAttention-2 forward. Here each warp owns 16 or 32
-rows (one or two m-tiles) and holds its S, P, dP, dS and running sums in registers in the
-documented ``m16n8k16`` accumulator layout, which is also the A-operand layout: P and dS feed
-the second GEMM without leaving the registers, and the row statistics need only two shuffles
-across the 4 lanes that share a row. The algorithm is the one of ``tvm_flash.kernels`` (same
-masking, clamped exp2, rounded P and dS, LSE and Delta conventions, the same ``common``
-helpers); what is fixed here is the thread mapping, so this module is the CUDA schedule of
-those kernels, written out.
+tensorization (the WMMA schedule of docs/journal/perf-history.md v3/v4, since removed) keeps a
+GEMM's product in an opaque fragment, so S, P and every partial product made a float32 round trip
+through shared memory; at best that reached 0.23x the FlashAttention-2 forward. Here each warp owns
+16 or 32 rows (one or two m-tiles) and holds its S, P, dP, dS and running sums in registers in the
+documented ``m16n8k16`` accumulator layout, which is also the A-operand layout: P and dS feed the
+second GEMM without leaving the registers, and the row statistics need only two shuffles across the
+4 lanes that share a row. The algorithm is the one of ``tvm_flash.kernels`` (same masking, clamped
+exp2, rounded P and dS, LSE and Delta conventions, the same ``common`` helpers); what is fixed here
+is the thread mapping, so this module is the CUDA schedule of those kernels, written out.
 
 Per kernel (``W`` warps of 32 lanes and ``mt`` m-tiles, ``16 mt W`` rows per block;
 ``lane = 4 g + t``):
@@ -27,8 +26,8 @@ Per kernel (``W`` warps of 32 lanes and ``mt`` m-tiles, ``16 mt W`` rows per blo
 * the forward's row max and sum are balanced trees over a lane's elements, its exponent one
   FMA (scale and log2(e) folded), and the -inf guards are per row, not per element.
 
-Registers (ptxas, sm_90; docs/perf.md v6, v7): at most 255, a few spilled bytes where measured
-faster (see :func:`tile`).
+Registers (ptxas, sm_90; docs/journal/perf-history.md v6, v7): at most 255, a few spilled bytes
+where measured faster (see :func:`tile`).
 """
 
 from __future__ import annotations
@@ -103,7 +102,7 @@ def supports(key: KernelKey) -> bool:
 
 
 def tile(key: KernelKey) -> MmaTile:
-    """Chosen from sweeps on the H200 (docs/perf.md v5-v7):
+    """Chosen from sweeps on the H200 (docs/journal/perf-history.md v5-v7):
 
     * forward and dQ: 4 warps of two m-tiles (128 query rows; v6: dQ +16-24%, forward up to
       +15% over one m-tile), 64-key steps up to D = 64 and 32 above, except the bf16 forward
@@ -115,8 +114,8 @@ def tile(key: KernelKey) -> MmaTile:
       layout) measured +0.5-2% at D = 128 (noise) and -5-35% at D = 64 (v7), so it is not done;
     * two stages (three measured from +1% to -38%, and for dK/dV from +1% to -20%).
 
-    Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 40, docs/perf.md
-    v6, v7); they measured faster than every spill-free alternative."""
+    Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 40,
+    docs/journal/perf-history.md v6, v7); they measured faster than every spill-free alternative."""
     d, op = key.head_dim, key.op
     if op == "dkv":
         return MmaTile(warps=8, step=64) if d > 64 else MmaTile(warps=4, step=32, mtiles=2)
@@ -349,8 +348,8 @@ def _block_order(causal: str, bx, tiles, heads):
     """Block ``bx``'s (tile, counted from the last; batch x head) among ``tiles`` tiles of each
     of ``heads`` (batch, head) pairs. Causal tiles differ in length, the last (longest) ones
     most, so blocks take them longest first across all heads: the final wave holds the
-    shortest (docs/perf.md v7b: +4-11% causal forward, +11% GQA dK/dV). Unmasked tiles are
-    equal and a head's tiles stay adjacent, sharing its K/V (or Q/dO) in L2."""
+    shortest (docs/journal/perf-history.md v7b: +4-11% causal forward, +11% GQA dK/dV). Unmasked
+    tiles are equal and a head's tiles stay adjacent, sharing its K/V (or Q/dO) in L2."""
     if causal == "none":
         return bx % tiles, bx // tiles
     return bx // heads, bx % heads

@@ -76,8 +76,8 @@ MAX_SPILL_BYTES = 48
 def test_warp_level_kernels_stay_in_registers(op, d, dtype, tmp_path):
     """ptxas keeps every warp-level kernel in registers but for a few bytes: the chosen tiles
     sit at 255 registers, and those spilling at most 40 bytes measured faster than every
-    spill-free alternative (docs/perf.md v6, v7); a fragment array pushed out to local memory
-    would spill hundreds."""
+    spill-free alternative (docs/journal/perf-history.md v6, v7); a fragment array pushed out to
+    local memory would spill hundreds."""
     src = tmp_path / "k.cu"
     src.write_text(device_source(compile_module(_key(op, d, dtype, "cuda-sm_90", "top-left", 1))))
     res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
