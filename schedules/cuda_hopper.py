@@ -87,6 +87,7 @@ class HopperTile:
     consumers: int = 2
     step: int = 128
     stages: int = 2
+    pingpong: bool = False
 
     @property
     def rows(self) -> int:
@@ -185,6 +186,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     FK, FV, EK, EV = 1, 1 + ST, 1 + 2 * ST, 1 + 3 * ST  # first barrier of each kind
     # registers: the producer keeps 24, the consumers share the rest of the 64 Ki
     regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
+    PP = tile.pingpong and NC == 2
 
     @T.macro
     def load(buf, bars, tmap, j, full, hk, b):
@@ -197,16 +199,20 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                         T.address_of(bars[full + st]))
 
     @T.macro
-    def issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, js, jv, do_s: bool, do_pv: bool):
+    def issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, js, jv, cw, do_s: bool, do_pv: bool):
         """Issue S = Q K_js and/or O += P V_jv, each one commit group, once their tiles have
         arrived. Descriptors and operands are final before the one fence: a register a wgmma
-        reads that changes after the fence makes ptxas inject another (C7519)."""
+        reads that changes after the fence makes ptxas inject another (C7519). Ping-pong: the
+        two consumers take turns to issue (named barriers 1 and 2), so one's softmax runs
+        while the other's products occupy the tensor cores."""
         if do_s:
             _desc(dk[0], T.address_of(Ks[js % ST, 0, 0, 0]), 1, 8 * ROW, SW)
             T.cuda.mbarrier_wait(T.address_of(bars[FK + js % ST]), js // ST % 2)
         if do_pv:
             _desc(dv[0], T.address_of(Vs[jv % ST, 0, 0, 0]), v_ldo, v_sdo, SW)
             T.cuda.mbarrier_wait(T.address_of(bars[FV + jv % ST]), jv // ST % 2)
+        if PP:
+            T.ptx.bar.sync(T.cast(1 + cw, "uint32"), T.uint32(2 * WG))
         pin(s, NS * 4)
         pin_u32(pw, NS * 2)
         pin(acc, NO * 4)
@@ -224,6 +230,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                              pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
                              dv[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 1)
             T.ptx.wgmma.commit_group.sync.aligned()
+        if PP:  # the other's turn; after its last issue consumer 1 has nobody to wake
+            if do_s or cw == 0:
+                T.ptx.bar.arrive(T.cast(2 - cw, "uint32"), T.uint32(2 * WG))
 
     @T.macro
     def softmax(s, p, acc, m, mn, msub, lsum, bars, j, row, lane, scale2, elected, Lq, Lk, c):
@@ -366,16 +375,19 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                 # step 0: S_0 alone; steps 1..n-1: S_j = Q K_j and O += P_{j-1} V_{j-1} in
                 # flight together; then the last P V. Peeled so that the steady loop has no
                 # branch around a wgmma (ptxas serialises wgmma it cannot follow).
-                issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, T.int64(0), T.int64(0), True, False)
+                if PP and cw == 1:
+                    T.ptx.bar.arrive(T.uint32(1), T.uint32(2 * WG))  # consumer 0 goes first
+                issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, T.int64(0), T.int64(0), cw, True,
+                      False)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), row, lane, scale2,
                         elected, Lq, Lk, c)
                 for j in T.serial(n - 1):
-                    issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, j + 1, j, True, True)
+                    issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, j + 1, j, cw, True, True)
                     T.ptx.wgmma.wait_group.sync.aligned(1)  # S done, P V may run on
                     softmax(s, p, acc, m, mn, msub, lsum, bars, j + 1, row, lane, scale2,
                             elected, Lq, Lk, c)
-                issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, n - 1, n - 1, False, True)
+                issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, n - 1, n - 1, cw, False, True)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 pin(acc, NO * 4)
 
