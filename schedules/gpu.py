@@ -19,7 +19,7 @@ import dataclasses
 from tvm import s_tir
 
 from tvm_flash.kernels.common import TileConfig
-from tvm_flash.key import MERGE_OPS, PACKED_BASE, KernelKey
+from tvm_flash.key import KernelKey
 
 from .common import apply_unroll, has_block, pad_rows, set_scopes
 
@@ -45,7 +45,13 @@ _CANDIDATES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16), (16, 8), (8, 16
 # longest key tile that fits.
 _SHORT_CANDIDATES = ((8, 128), (8, 64), (8, 32), (8, 16))
 
-# buffer -> the block that first writes it, per kernel
+def _blocks_of(key: KernelKey) -> str:
+    """The tiled op whose blocks and buffers ``key``'s kernel has (a packed-row kernel shares
+    its tiled op's); the tables below are keyed by it."""
+    return key.spec.packs or key.op
+
+
+# buffer -> the block that first writes it, per tiled kernel
 _PRODUCERS = {
     "fwd": {"Qs": "Q_load", "Ks": "K_load", "Vs": "V_load", "S": "S_gemm", "P": "P",
             "PV": "O_gemm", "acc": "acc_init", "m": "stats_init", "lsum": "stats_init",
@@ -93,12 +99,12 @@ def tiles(key: KernelKey, params: GpuParams) -> list[TileConfig]:
     if key.head_dim > params.max_head_dim:
         raise ValueError(f"head_dim {key.head_dim} is not supported on {params.name} (at most "
                          f"{params.max_head_dim}): {params.why_max_head_dim}")
-    if key.op in MERGE_OPS:
+    if key.spec.row_wise:
         return [TileConfig(THREADS, THREADS)]
     esize = _element_bytes(key.dtype, params)
-    op = PACKED_BASE.get(key.op, key.op)
+    op = _blocks_of(key)
     fits = []
-    for bq, bk in _SHORT_CANDIDATES if key.op in PACKED_BASE else _CANDIDATES:
+    for bq, bk in _SHORT_CANDIDATES if key.spec.packs else _CANDIDATES:
         smem, acc = _footprint(op, key.head_dim, esize, bq, bk)
         if smem <= params.smem_budget and acc <= ACC_BUDGET and _splits(op, key.head_dim, bq,
                                                                          bk):
@@ -112,7 +118,7 @@ def tile_config(key: KernelKey, params: GpuParams) -> TileConfig:
     if fits:
         return fits[0]
     esize = _element_bytes(key.dtype, params)
-    need = _footprint(PACKED_BASE.get(key.op, key.op), key.head_dim, esize, *_CANDIDATES[-1])[0]
+    need = _footprint(_blocks_of(key), key.head_dim, esize, *_CANDIDATES[-1])[0]
     raise ValueError(
         f"{key.op} with head_dim {key.head_dim} and {key.dtype} needs {need} bytes of "
         f"{params.name} on-chip memory even with the smallest {_CANDIDATES[-1][0]}x"
@@ -222,13 +228,13 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
         wb = sch.cache_write(block, 0, "local")
         sch.reverse_compute_at(wb, tx)
         return sch
-    if key.op in MERGE_OPS:  # the merges: one thread per output element
+    if key.spec.row_wise:  # the merges: one thread per output element
         bx, tx = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock("merge"))), [None, THREADS])
         sch.bind(bx, "blockIdx.x")
         sch.bind(tx, "threadIdx.x")
         return sch
 
-    producers = _PRODUCERS[PACKED_BASE.get(key.op, key.op)]
+    producers = _PRODUCERS[_blocks_of(key)]
     pad_rows(sch, producers, [b for b in _PADDED if b in producers], PAD)
     scopes = {b: params.smem_scope for b in producers}
     scopes.update({b: "local" for b in _REGISTERS + _PARTS if b in producers})

@@ -10,7 +10,9 @@ Examples:
     python scripts/build.py --target cuda:sm_90 --head-dims 64,128 --dtypes bf16,fp16
     python scripts/build.py --target llvm --out artifacts/llvm
 
-Point training at the result with ``TVM_FLASH_ARTIFACTS=DIR`` or
+Without ``--out`` the kernels go to ``$TVM_FLASH_CACHE/artifacts/<target>`` (default
+``~/.cache/tvm-flash/artifacts/<target>``), where tvm-flash finds them without configuration.
+Point it at any other directory with ``TVM_FLASH_ARTIFACTS=DIR`` or
 ``tvm_flash.use_artifacts(DIR)``.
 """
 
@@ -27,7 +29,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tvm_flash import artifacts, tuning  # noqa: E402
+from tvm_flash import artifacts, export, tuning  # noqa: E402
 from tvm_flash.build import schedules  # noqa: E402
 from tvm_flash.key import CAUSAL_MODES, DTYPES, HEAD_DIMS, MERGE_OPS, OPS, KernelKey  # noqa: E402
 from tvm_flash.target import parse_target, target_kind  # noqa: E402
@@ -37,17 +39,6 @@ SHORT = {v: k for k, v in DTYPES.items()}
 
 def _csv(text, convert=str):
     return [convert(x) for x in text.split(",") if x]
-
-
-def default_target() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return "cuda"
-    except ImportError:
-        pass
-    return "llvm"
 
 
 def plan(target: str, head_dims, dtypes, causals, groups, sinks=False) -> list[KernelKey]:
@@ -79,7 +70,7 @@ def check_supported(keys) -> None:
 
 def _build_one(key: KernelKey, out: pathlib.Path, tuned):
     start = time.time()
-    entry = artifacts.build_artifact(key, out, tuned=tuned)
+    entry = export.build_artifact(key, out, tuned=tuned)
     return entry, time.time() - start
 
 
@@ -117,13 +108,15 @@ def main(argv=None) -> int:
                    help="apply MetaSchedule logs from DIR/<target>/<kernel key>/ where present "
                         "(default: the repo's tuning_logs); 'none' to ignore logs")
     p.add_argument("--out", default=None,
-                   help="output directory (default: artifacts/<target tag>)")
+                   help="output directory (default: $TVM_FLASH_CACHE/artifacts/<target tag>, "
+                        "where tvm-flash looks without configuration; TVM_FLASH_CACHE "
+                        "defaults to ~/.cache/tvm-flash)")
     p.add_argument("--jobs", type=int, default=None,
                    help="parallel compiler processes (default: number of CPUs)")
     args = p.parse_args(argv)
 
     try:
-        target = parse_target(args.target or default_target())
+        target = parse_target(args.target) if args.target else artifacts.machine_target()
         dtypes = args.dtypes or ("bf16,fp16" if target != "llvm" else "bf16,fp16,fp32")
         unknown = [d for d in _csv(dtypes) if d not in SHORT]
         if unknown:
@@ -135,7 +128,7 @@ def main(argv=None) -> int:
     check_supported(keys)
     logs = None if args.tuning_logs == "none" else pathlib.Path(args.tuning_logs)
     tuned = tuned_choices(keys, logs) if logs else {}
-    out = pathlib.Path(args.out or f"artifacts/{target}")
+    out = pathlib.Path(args.out) if args.out else artifacts.default_artifact_dir(target)
     print(f"building {len(keys)} kernels for {target} into {out} ({len(tuned)} from tuning "
           f"logs, {len(keys) - len(tuned)} with the default schedule: no matching log)",
           flush=True)
@@ -162,11 +155,15 @@ def main(argv=None) -> int:
         print(f"error: {len(failures)} of {len(keys)} kernels failed; manifest not written",
               file=sys.stderr)
         return 1
-    manifest = artifacts.write_manifest(out, target, entries)
+    manifest = export.write_manifest(out, target, entries)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"built {len(entries)} kernels in {time.time() - start:.0f}s, "
           f"{size / 2**20:.1f} MiB; manifest {manifest}")
-    print(f"use them with: TVM_FLASH_ARTIFACTS={out}")
+    if out == artifacts.default_artifact_dir(target):
+        print("tvm-flash finds them there without configuration (python -m tvm_flash shows "
+              "where it looks)")
+    else:
+        print(f"use them with: TVM_FLASH_ARTIFACTS={out}")
     return 0
 
 

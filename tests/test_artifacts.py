@@ -25,8 +25,10 @@ def _build(*args, check=True):
 
 
 @pytest.fixture
-def artifact_mode():
-    """Load only from artifacts (no JIT) inside the test; restore the defaults afterwards."""
+def artifact_mode(tmp_path, monkeypatch):
+    """Load only from artifacts (no JIT) inside the test, with an empty default location (a
+    private ``TVM_FLASH_CACHE``); restore the defaults afterwards."""
+    monkeypatch.setenv("TVM_FLASH_CACHE", str(tmp_path / "cache"))
     yield
     tvm_flash.use_artifacts(None)
     tvm_flash.allow_jit(None)
@@ -76,18 +78,31 @@ def test_missing_artifact_names_key_and_command(llvm_artifacts, artifact_mode):
            "--gqa 1" in msg
 
 
-def test_other_source_is_refused(llvm_artifacts, tmp_path, artifact_mode):
-    copy = tmp_path / "llvm"
-    shutil.copytree(llvm_artifacts, copy)
-    manifest = json.loads((copy / "manifest.json").read_text())
+def _edited_copy(src, dst, edit):
+    """A copy of the artifact directory ``src`` whose manifest entries ``edit`` changed."""
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
     for entry in manifest["kernels"].values():
-        entry["fingerprint"] = "0" * 16
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+        edit(entry)
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda e: e.update(source_digest="0" * 64), r"other kernel source \(source digest 0000"),
+    (lambda e: e.pop("source_digest"), "no source digest recorded: built by an older"),
+    (lambda e: e["runtime"].update(tvm="0.26.0"), "was built with .*0.26.0.*, this machine runs"),
+], ids=["other-source", "no-digest", "other-tvm"])
+def test_stale_artifact_is_refused(llvm_artifacts, tmp_path, artifact_mode, edit, reason):
+    """Built from other kernel source (or by a tvm-flash that recorded none), or with other
+    TVM versions: refused with the reason and the command that rebuilds it."""
+    copy = _edited_copy(llvm_artifacts, tmp_path / "llvm", edit)
     tvm_flash.use_artifacts(copy)
     tvm_flash.allow_jit(False)
     q, k, v = torch.randn(1, 4, 9, 64), torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)
-    with pytest.raises(ArtifactError, match="built from other kernel source"):
+    with pytest.raises(ArtifactError, match=reason) as err:
         tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert f"--gqa 2 --out {copy}" in str(err.value)
 
 
 def test_other_target_is_refused(llvm_artifacts, tmp_path, artifact_mode):
@@ -103,6 +118,90 @@ def test_other_target_is_refused(llvm_artifacts, tmp_path, artifact_mode):
     q = torch.randn(1, 2, 9, 64)
     with pytest.raises(ArtifactError, match="built for cuda-sm_80, this device needs llvm"):
         tvm_flash.attention(q, q, q)
+
+
+def test_default_location_is_found_without_configuration(llvm_artifacts, artifact_mode):
+    """Kernels in ``$TVM_FLASH_CACHE/artifacts/<target>`` (where scripts/build.py writes
+    without --out) serve with no TVM_FLASH_ARTIFACTS and no JIT."""
+    tvm_flash.use_artifacts(None)
+    tvm_flash.allow_jit(False)
+    default = artifacts.default_artifact_dir("llvm")
+    assert default == pathlib.Path(os.environ["TVM_FLASH_CACHE"]) / "artifacts" / "llvm"
+    shutil.copytree(llvm_artifacts, default)
+    q = torch.randn(1, 4, 33, 64)
+    k, v = torch.randn(1, 2, 33, 64), torch.randn(1, 2, 33, 64)
+    out = tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True)
+    ref, _ = tvm_flash.attention_reference(q, k, v, causal="top-left")
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_lookup_order(llvm_artifacts, tmp_path, artifact_mode):
+    """The chosen directory comes first: its stale kernel is refused although the default
+    location has a good one; a kernel it lacks comes from the default location."""
+    shutil.copytree(llvm_artifacts, artifacts.default_artifact_dir("llvm"))
+    stale = _edited_copy(llvm_artifacts, tmp_path / "stale",
+                         lambda e: e.update(source_digest="0" * 64))
+    tvm_flash.use_artifacts(stale)
+    tvm_flash.allow_jit(False)
+    assert [what for what, _ in artifacts.lookup("llvm")] == ["use_artifacts()", "default"]
+    q, k, v = torch.randn(1, 4, 9, 64), torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)
+    with pytest.raises(ArtifactError, match=f"artifact in {stale} was built from other"):
+        tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True)
+    partial = _edited_copy(llvm_artifacts, tmp_path / "partial", lambda e: None)
+    manifest = json.loads((partial / "manifest.json").read_text())
+    manifest["kernels"] = {n: e for n, e in manifest["kernels"].items() if "fp32" not in n}
+    (partial / "manifest.json").write_text(json.dumps(manifest))
+    tvm_flash.use_artifacts(partial)
+    out = tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True)  # fp32: the default's
+    ref, _ = tvm_flash.attention_reference(q, k, v, causal="top-left")
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_info_reports_the_lookup(llvm_artifacts, artifact_mode):
+    tvm_flash.use_artifacts(llvm_artifacts)
+    tvm_flash.allow_jit(False)
+    report = tvm_flash.info()
+    assert report.target == "llvm" and not report.jit
+    assert set(report.versions) == {"tvm-flash", "tvm", "tvm-ffi", "torch"}
+    assert [(p.what, p.path, p.kernels) for p in report.places] == [
+        ("use_artifacts()", llvm_artifacts, 18),
+        ("default", artifacts.default_artifact_dir("llvm"), 0),
+        ("JIT cache", artifacts.jit_dir("llvm"), 0)]
+    text = str(report)
+    assert f"1. use_artifacts(): {llvm_artifacts}: 18 kernels" in text
+    assert "JIT): not allowed" in text
+
+
+def test_loading_runs_no_build_code(llvm_artifacts):
+    """A fresh process that loads prebuilt kernels imports no schedule, kernel factory or
+    compiler module (and so runs none of their code)."""
+    code = ("import json, sys, torch, tvm_flash\n"
+            "q = torch.randn(1, 4, 9, 64, requires_grad=True)\n"
+            "k, v = torch.randn(1, 2, 9, 64), torch.randn(1, 2, 9, 64)\n"
+            "tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()\n"
+            "print(json.dumps([m for m in sys.modules if m.startswith('tvm_flash.')]))\n")
+    env = {**os.environ, "TVM_FLASH_ARTIFACTS": str(llvm_artifacts), "TVM_FLASH_JIT": "0"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    loaded = set(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert "tvm_flash.artifacts" in loaded
+    assert not loaded & {"tvm_flash.schedules", "tvm_flash.kernels", "tvm_flash.build",
+                         "tvm_flash.export", "tvm_flash.tuning"}, loaded
+
+
+@pytest.mark.parametrize("op", tvm_flash.OPS)
+def test_op_table_matches_the_kernels(op):
+    """The loader calls ``module[spec.symbol]`` and ops.py passes ``spec.args``: both are what
+    the factory writes."""
+    from tvm_flash.kernels import FACTORIES, TileConfig
+    from tvm_flash.opspec import SPECS
+
+    spec = SPECS[op]
+    key = KernelKey(op, 64, "float32", "none", 1, "llvm", sinks=spec.sinks)
+    func = FACTORIES[op](key, TileConfig(8, 64) if spec.packs else TileConfig(32, 32))
+    assert func.attrs["global_symbol"] == spec.symbol
+    assert tuple(p.name for p in func.params) == spec.args
 
 
 def test_build_rejects_unsupported_requests(tmp_path):

@@ -2,14 +2,17 @@
 
 ``tvm_flash.attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)`` is a drop-in for
 ``torch.nn.functional.scaled_dot_product_attention`` on CPU and CUDA tensors.
+``tvm_flash.info()`` (or ``python -m tvm_flash``) says where its kernels come from.
 """
 
-from .artifacts import ArtifactError, allow_jit, use_artifacts
-from .key import CAUSAL_MODES, HEAD_DIMS, OPS, KernelKey
-from .nn import scaled_dot_product_attention
-from .ops import attention
-from .reference import attention_reference
+__version__ = "0.1.0"
+
+from .artifacts import ArtifactError, allow_jit, info, use_artifacts  # noqa: E402
+from .key import CAUSAL_MODES, HEAD_DIMS, OPS, KernelKey  # noqa: E402
+from .nn import scaled_dot_product_attention  # noqa: E402
+from .ops import attention  # noqa: E402
+from .reference import attention_reference  # noqa: E402
 
 __all__ = ["CAUSAL_MODES", "HEAD_DIMS", "OPS", "ArtifactError", "KernelKey", "allow_jit",
-           "attention", "attention_reference", "scaled_dot_product_attention", "use_artifacts"]
-__version__ = "0.1.0"
+           "attention", "attention_reference", "info", "scaled_dot_product_attention",
+           "use_artifacts"]

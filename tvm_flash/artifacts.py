@@ -1,22 +1,32 @@
-"""Compiled kernels on disk: build them, describe them in a manifest, load them.
+"""Compiled kernels on disk: where they are looked up, and loading them without compiling.
 
-An artifact directory (written by ``scripts/build.py``) holds, per :class:`KernelKey`:
+An artifact directory (written by ``scripts/build.py`` through :mod:`tvm_flash.export`) holds,
+per :class:`KernelKey`:
 
 * ``<key>.so`` — the exported TVM module (host code; for CUDA it embeds the CUDA source);
 * ``<key>.fatbin`` / ``<key>.cubin`` — CUDA only: the device code compiled ahead of time for
   the target arch, so a training machine never compiles CUDA;
-* an entry in ``manifest.json``: file names, target, arch, the fingerprint of the kernel and
-  schedule sources it was built from, the TVM / tvm-ffi versions that built it.
+* an entry in ``manifest.json``: file names, target, arch, the digest of the kernel and
+  schedule source it was built from, its fingerprint, the TVM / tvm-ffi versions that built it.
 
-Where kernels come from, in order:
+Where kernels come from, in order (:func:`lookup`):
 
 1. the artifact directory given by :func:`use_artifacts` or ``$TVM_FLASH_ARTIFACTS``;
-2. when just-in-time building is allowed (:func:`allow_jit` or ``TVM_FLASH_JIT=1``): a kernel
-   built on first use into the cache ``$TVM_FLASH_CACHE`` (default ``~/.cache/tvm-flash``),
-   one entry per key and fingerprint.
+2. the default artifact directory of the key's target, ``$TVM_FLASH_CACHE/artifacts/<target>``
+   (:func:`default_artifact_dir`; ``TVM_FLASH_CACHE`` defaults to ``~/.cache/tvm-flash``):
+   where ``scripts/build.py`` writes without ``--out``, so kernels built by the README's setup
+   command are found with no configuration, from a checkout or an installed wheel alike;
+3. when just-in-time building is allowed (:func:`allow_jit` or ``TVM_FLASH_JIT=1``): a kernel
+   built on first use into ``$TVM_FLASH_CACHE/<target>``, one entry per key and fingerprint.
 
-Anything else raises :class:`ArtifactError` naming the key and the command that builds it.
-An artifact built for another arch or from other kernel source is refused, never run.
+The first directory whose manifest has the key serves it. An entry built for another target,
+from other kernel source or with other TVM / tvm-ffi versions is refused with the reason (never
+passed over for a later place, never run). No kernel anywhere and no JIT: :class:`ArtifactError`
+naming the key, where it looked and the command that builds it.
+
+Loading runs no build code: it imports neither the compiler nor the schedules nor the kernel
+factories, and checks an entry by its recorded source digest (:mod:`tvm_flash.source`, file
+text only). Only building on first use imports the builder.
 
 Loading CUDA: TVM's CUDA module keeps source and calls ``tvm_callback_cuda_compile`` when it
 is loaded. tvm-flash answers that callback with the precompiled device code whose source
@@ -26,32 +36,19 @@ digest matches, and refuses to compile anything else unless JIT is allowed.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import hashlib
-import importlib
 import json
 import os
 import pathlib
-import platform
-import re
-import tempfile
 import threading
 
 import tvm
 import tvm_ffi
 
-from .build import (
-    SYMBOLS,
-    compile_device_code,
-    compile_module,
-    cuda_compiler,
-    device_source,
-    fingerprint,
-    scheduled_module,
-)
 from .key import DTYPES, KernelKey
-from .target import target_kind
+from .source import source_digest
+from .target import target_tag_for_device
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -66,11 +63,11 @@ _lock = threading.RLock()
 
 
 def use_artifacts(path: str | os.PathLike | None) -> None:
-    """Load kernels from the artifact directory ``path`` (``None``: back to the environment)."""
+    """Load kernels from the artifact directory ``path`` first (``None``: back to the
+    environment)."""
     with _lock:
         _state["dir"] = None if path is None else pathlib.Path(path)
         _load.cache_clear()
-        _manifest.cache_clear()
 
 
 def allow_jit(enabled: bool | None = True) -> None:
@@ -82,6 +79,8 @@ def allow_jit(enabled: bool | None = True) -> None:
 
 
 def artifact_dir() -> pathlib.Path | None:
+    """The explicitly chosen artifact directory (:func:`use_artifacts`, else
+    ``$TVM_FLASH_ARTIFACTS``), or None."""
     if _state["dir"] is not None:
         return _state["dir"]
     env = os.environ.get("TVM_FLASH_ARTIFACTS")
@@ -95,109 +94,69 @@ def jit_allowed() -> bool:
 
 
 def cache_dir() -> pathlib.Path:
+    """``$TVM_FLASH_CACHE``, default ``~/.cache/tvm-flash``: per user, so an installed package
+    (which has no checkout to write into) has a place too."""
     return pathlib.Path(os.environ.get("TVM_FLASH_CACHE", "~/.cache/tvm-flash")).expanduser()
 
 
-def _runtime_versions() -> dict:
+def default_artifact_dir(target: str) -> pathlib.Path:
+    """Where ``scripts/build.py`` writes ``target``'s kernels without ``--out``, and where they
+    are looked up without configuration (the one definition both use)."""
+    return cache_dir() / "artifacts" / target
+
+
+def jit_dir(target: str) -> pathlib.Path:
+    """The just-in-time cache of ``target``'s kernels."""
+    return cache_dir() / target
+
+
+def lookup(target: str) -> list[tuple[str, pathlib.Path]]:
+    """The artifact directories searched for ``target``'s kernels, in order, each with what
+    put it there; the JIT cache (:func:`jit_dir`) comes after them when JIT is allowed."""
+    places = []
+    explicit = artifact_dir()
+    if explicit is not None:
+        places.append(("use_artifacts()" if _state["dir"] is not None else
+                       "TVM_FLASH_ARTIFACTS", explicit))
+    default = default_artifact_dir(target)
+    if explicit is None or explicit.expanduser().resolve() != default.resolve():
+        places.append(("default", default))
+    return places
+
+
+def machine_target() -> str:
+    """The target tag of this machine: its (first) CUDA GPU's if torch sees one, else ``llvm``
+    (what ``scripts/build.py`` builds by default)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return target_tag_for_device(torch.device("cuda"))
+    return "llvm"
+
+
+@functools.cache
+def runtime_versions() -> dict:
     """Versions a built module must be loaded with (its ABI)."""
     return {"tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__}
 
 
-def versions(target: str) -> dict:
-    """Versions of everything that built artifacts for ``target`` (recorded in the manifest)."""
-    import torch
-
-    v = {**_runtime_versions(), "torch": torch.__version__, "python": platform.python_version()}
-    if target_kind(target) == "cuda":
-        v["cuda_compiler"] = cuda_compiler()
-        if v["cuda_compiler"] == "nvcc":
-            nvcc = importlib.import_module("tvm.support.nvcc")
-            v["cuda"] = ".".join(map(str, nvcc.get_cuda_version()))
-    return v
-
-
 def build_command(key: KernelKey, out: str | os.PathLike | None = None) -> str:
-    """The ``scripts/build.py`` command that builds ``key``."""
+    """The ``scripts/build.py`` command that builds ``key`` (into ``out``; without it, into
+    the default directory, where it is found without configuration)."""
     target = key.target.replace("-", ":", 1)
     cmd = (f"python scripts/build.py --target {target} --head-dims {key.head_dim} "
            f"--dtypes {DTYPES[key.dtype]} --causal {key.causal} --gqa {key.group}")
     cmd += " --sinks" if key.sinks else ""
-    return cmd + (f" --out {out}" if out else "")
+    if out is not None and pathlib.Path(out) != default_artifact_dir(key.target):
+        cmd += f" --out {out}"
+    return cmd
 
 
-# --------------------------------------------------------------------------------- building
+# ---------------------------------------------------------------------------------- manifests
 
 
-def build_artifact(key: KernelKey, out_dir: pathlib.Path, with_fingerprint: bool = False,
-                   tuned: dict | None = None) -> dict:
-    """Compile ``key`` into ``out_dir``; return its manifest entry. Files appear atomically.
-
-    Files are named by the key, and by its fingerprint too with ``with_fingerprint`` (the JIT
-    cache, where builds of several kernel versions live side by side). ``tuned``: the choice
-    of a tuning log (:func:`tvm_flash.tuning.load_tuned`), recorded in the entry.
-    """
-    choice = {"tile": tuned["tile"], "decisions": tuned["decisions"]} if tuned else None
-    fp = fingerprint(key, choice)
-    built = compile_module(key, scheduled_module(key, choice))
-    stem = f"{key.name}-{fp}" if with_fingerprint else key.name
-    kind = target_kind(key.target)
-    # Metal host code is for arm64 macOS: shipped as objects in a tar that the Mac links
-    ext = "tar" if kind == "metal" else "so"
-    entry = {"key": dataclasses.asdict(key), "target": key.target, "fingerprint": fp,
-             "file": f"{stem}.{ext}", "runtime": _runtime_versions(),
-             "schedule": "tuned" if tuned else "default"}
-    if tuned:
-        entry.update(tuned=choice, tuning_log_digest=tuned["digest"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-        tmp = pathlib.Path(tmp)
-        files = {entry["file"]: None}
-        built.export_library(str(tmp / entry["file"]))
-        if kind == "metal":
-            src = device_source(built)
-            entry.update(metal_source=f"{stem}.metal", **metal_resources(src))
-            (tmp / entry["metal_source"]).write_text(src)
-            files[entry["metal_source"]] = None
-        if kind == "cuda":
-            src = device_source(built)
-            binary, fmt = compile_device_code(key, src)
-            entry.update(arch=key.target[len("cuda-"):], device_code=f"{stem}.{fmt}",
-                         source_sha256=hashlib.sha256(src.encode()).hexdigest(),
-                         cuda_compiler=cuda_compiler())
-            (tmp / entry["device_code"]).write_bytes(binary)
-            files[entry["device_code"]] = None
-        for name in files:
-            os.replace(tmp / name, out_dir / name)
-    return entry
-
-
-def write_manifest(out_dir: pathlib.Path, target: str, entries: list[dict]) -> pathlib.Path:
-    """Merge ``entries`` into ``out_dir/manifest.json`` (one target per directory)."""
-    path = out_dir / MANIFEST
-    manifest = _read_manifest(path) if path.exists() else None
-    if manifest is not None and manifest["target"] != target:
-        raise ArtifactError(f"{path} holds artifacts for {manifest['target']}, not {target}: "
-                            "use another --out directory")
-    if manifest is None:
-        manifest = {"format": FORMAT, "target": target, "kernels": {}}
-    manifest.update(versions=versions(target),
-                    built=datetime.datetime.now().isoformat(timespec="seconds"))
-    for e in entries:
-        manifest["kernels"][KernelKey(**e["key"]).name] = e
-    # digest of the tuning log each tuned kernel was built from (None: all default schedules)
-    manifest["tuning_log"] = {name: e["tuning_log_digest"] for name, e in
-                              manifest["kernels"].items() if "tuning_log_digest" in e} or None
-    part = path.with_suffix(".part")
-    part.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(part, path)
-    _manifest.cache_clear()
-    return path
-
-
-# ---------------------------------------------------------------------------------- loading
-
-
-def _read_manifest(path: pathlib.Path) -> dict:
+def read_manifest(path: pathlib.Path) -> dict:
+    """A manifest's contents; :class:`ArtifactError` if it is not a readable tvm-flash one."""
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -207,10 +166,36 @@ def _read_manifest(path: pathlib.Path) -> dict:
     return manifest
 
 
-@functools.cache
 def _manifest(directory: pathlib.Path) -> dict | None:
+    """``directory``'s manifest (None: there is none), read again only when it changed."""
     path = directory / MANIFEST
-    return _read_manifest(path) if path.exists() else None
+    try:
+        stamp = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+    return _read_once(path, stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_once(path: pathlib.Path, stamp: int) -> dict:
+    return read_manifest(path)
+
+
+def _refusal(entry: dict, key: KernelKey) -> str | None:
+    """Why ``entry`` cannot serve ``key`` on this install (None: it can)."""
+    if entry.get("target") != key.target:
+        return f"was built for {entry.get('target')}, this device needs {key.target}"
+    if entry.get("runtime") != runtime_versions():
+        return f"was built with {entry.get('runtime')}, this machine runs {runtime_versions()}"
+    recorded = entry.get("source_digest")
+    if recorded != source_digest():
+        why = (f"source digest {recorded[:16]}, this install has {source_digest()[:16]}"
+               if recorded else "no source digest recorded: built by an older tvm-flash")
+        return f"was built from other kernel source ({why})"
+    return None
+
+
+# ---------------------------------------------------------------------------------- loading
 
 
 _prebuilt: dict[str, bytes] = {}
@@ -239,20 +224,10 @@ def _install_callback():
 
 def _open(directory: pathlib.Path, entry: dict, key: KernelKey):
     """Load one artifact entry after checking it was built for this key, arch and source."""
-    if entry["target"] != key.target:
-        raise ArtifactError(f"{key.name}: artifact in {directory} was built for "
-                            f"{entry['target']}, this device needs {key.target}; run "
-                            f"{build_command(key)}")
-    if entry.get("runtime") != _runtime_versions():
-        raise ArtifactError(f"{key.name}: artifact in {directory} was built with "
-                            f"{entry.get('runtime')}, this machine runs {_runtime_versions()}; "
-                            f"rebuild: {build_command(key, directory)}")
-    expected = fingerprint(key, entry.get("tuned"))
-    if entry["fingerprint"] != expected:
-        raise ArtifactError(
-            f"{key.name}: artifact in {directory} was built from other kernel source "
-            f"(fingerprint {entry['fingerprint']}, this install has "
-            f"{expected}); rebuild: {build_command(key, directory)}")
+    refusal = _refusal(entry, key)
+    if refusal is not None:
+        raise ArtifactError(f"{key.name}: artifact in {directory} {refusal}; rebuild: "
+                            f"{build_command(key, directory)}")
     if "device_code" in entry:
         _install_callback()
         _prebuilt[entry["source_sha256"]] = (directory / entry["device_code"]).read_bytes()
@@ -261,32 +236,20 @@ def _open(directory: pathlib.Path, entry: dict, key: KernelKey):
         module = tvm.runtime.load_module(str(path))
     else:
         module = tvm_ffi.load_module(str(path))
-    return module[SYMBOLS[key.op]]
-
-
-_MSL_BYTES = {"half": 2, "bfloat": 2, "ushort": 2, "short": 2, "float": 4, "int": 4,
-              "uint": 4, "char": 1, "uchar": 1}
-
-
-def metal_resources(source: str) -> dict:
-    """Threadgroup memory the Metal source declares, and whether it synchronises it."""
-    total = 0
-    for dtype, count in re.findall(r"threadgroup\s+(\w+)\s+\w+\[(\d+)\]", source):
-        if dtype not in _MSL_BYTES:
-            raise ValueError(f"metal source: unknown threadgroup element type {dtype!r}")
-        total += _MSL_BYTES[dtype] * int(count)
-    return {"threadgroup_bytes": total, "barriers": source.count("threadgroup_barrier")}
+    return module[key.spec.symbol]
 
 
 def _from_cache(key: KernelKey):
     """JIT: build into the cache (once per key and fingerprint) and open from there."""
-    directory = cache_dir() / key.target
-    fp = fingerprint(key)
+    from . import build, export  # the compiler: imported only to build on first use
+
+    directory = jit_dir(key.target)
+    fp = build.fingerprint(key)
     sidecar = directory / f"{key.name}-{fp}.json"
     if sidecar.exists():
         entry = json.loads(sidecar.read_text())
     else:
-        entry = build_artifact(key, directory, with_fingerprint=True)
+        entry = export.build_artifact(key, directory, with_fingerprint=True)
         part = sidecar.with_suffix(f".{os.getpid()}.part")
         part.write_text(json.dumps(entry))
         os.replace(part, sidecar)
@@ -295,32 +258,137 @@ def _from_cache(key: KernelKey):
 
 @functools.cache
 def _load(key: KernelKey):
-    directory = artifact_dir()
-    if directory is not None:
+    looked = []
+    for _, directory in lookup(key.target):
         manifest = _manifest(directory)
-        if manifest is None and not jit_allowed():
-            raise ArtifactError(f"{key.name}: no {MANIFEST} in artifact directory {directory}; "
-                                f"build with: {build_command(key, directory)}")
-        if manifest is not None:
-            entry = manifest["kernels"].get(key.name)
-            if entry is not None:
-                return _open(directory, entry, key)
-            if manifest["target"] != key.target and not jit_allowed():
-                raise ArtifactError(
-                    f"{key.name}: artifacts in {directory} were built for "
-                    f"{manifest['target']}, this device needs {key.target}; build with: "
-                    f"{build_command(key, directory)}")
+        if manifest is None:
+            looked.append(f"{directory} has no {MANIFEST}")
+            continue
+        entry = manifest["kernels"].get(key.name)
+        if entry is not None:
+            return _open(directory, entry, key)
+        if manifest["target"] != key.target:
+            looked.append(f"artifacts in {directory} were built for {manifest['target']}, "
+                          f"this device needs {key.target}")
+        else:
+            looked.append(f"{directory} does not have it")
     if jit_allowed():
         return _from_cache(key)
-    where = f"in {directory}" if directory else "(no artifact directory set)"
+    # build where the user pointed, unless that directory holds another target's kernels
+    explicit = artifact_dir()
+    manifest = _manifest(explicit) if explicit is not None else None
+    out = explicit if manifest is None or manifest["target"] == key.target else None
     raise ArtifactError(
-        f"{key.name}: no compiled kernel {where}. Build it with: "
-        f"{build_command(key, directory)} and point TVM_FLASH_ARTIFACTS (or "
-        f"tvm_flash.use_artifacts) at the output, or allow building on first use with "
-        f"TVM_FLASH_JIT=1 (tvm_flash.allow_jit()).")
+        f"{key.name}: no compiled kernel ({'; '.join(looked)}). Build it with: "
+        f"{build_command(key, out)}, or allow building on first use with TVM_FLASH_JIT=1 "
+        f"(tvm_flash.allow_jit()).")
 
 
 def kernel(key: KernelKey):
     """The callable entry function of ``key``'s module, loaded once per process."""
     with _lock:
         return _load(key)
+
+
+# ------------------------------------------------------------------------------ description
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """One place kernels are looked up: what put it there, the directory, how many kernels of
+    the target it holds that this install accepts, and a note (why others are refused)."""
+
+    what: str
+    path: pathlib.Path
+    kernels: int
+    note: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Info:
+    """What :func:`tvm_flash.info` reports; ``str()`` gives it as lines of text."""
+
+    versions: dict
+    target: str
+    places: tuple[Place, ...]
+    jit: bool
+
+    def __str__(self) -> str:
+        v = self.versions
+        lines = [f"tvm-flash {v['tvm-flash']} (tvm {v['tvm']}, tvm-ffi {v['tvm-ffi']}, "
+                 f"torch {v['torch']})",
+                 f"target of this machine: {self.target}"
+                 + ("" if self.target == "llvm" else " (CPU tensors: llvm)"),
+                 "kernels are looked up in order:"]
+        for i, p in enumerate(self.places, 1):
+            note = f" ({p.note})" if p.note else ""
+            lines.append(f"  {i}. {p.what}: {p.path}: {p.kernels} kernels{note}")
+        lines.append(f"building on first use (JIT): "
+                     f"{'allowed' if self.jit else 'not allowed (TVM_FLASH_JIT=1 allows it)'}")
+        return "\n".join(lines)
+
+
+def _describe(what: str, directory: pathlib.Path, target: str) -> Place:
+    try:
+        manifest = _manifest(directory)
+    except ArtifactError as err:
+        return Place(what, directory, 0, str(err))
+    if manifest is None:
+        return Place(what, directory, 0, f"no {MANIFEST}")
+    if manifest["target"] != target:
+        return Place(what, directory, 0, f"built for {manifest['target']}")
+    return _count(what, directory, manifest["kernels"].values(), target)
+
+
+def _count(what: str, directory: pathlib.Path, entries, target: str) -> Place:
+    usable, refused = 0, {}
+    for entry in entries:
+        try:
+            refusal = _refusal(entry, KernelKey(**entry["key"]))
+        except (KeyError, TypeError, ValueError):
+            refusal = "has an unreadable key"
+        if refusal is None:
+            usable += 1
+        else:
+            reason = refusal.split(" (")[0]
+            refused[reason] = refused.get(reason, 0) + 1
+    note = "; ".join(f"{n} refused: {why}" for why, n in refused.items())
+    return Place(what, directory, usable, note)
+
+
+def info() -> Info:
+    """Versions, this machine's target, where its kernels are looked up (in order) and how
+    many each place holds, whether JIT is allowed."""
+    import torch
+
+    import tvm_flash
+
+    target = machine_target()
+    places = [_describe(what, d, target) for what, d in lookup(target)]
+    jit = jit_dir(target)
+    entries = []
+    for sidecar in sorted(jit.glob("*.json")) if jit.is_dir() else ():
+        try:
+            entries.append(json.loads(sidecar.read_text()))
+        except (OSError, ValueError):
+            continue
+    place = _count("JIT cache", jit, entries, target)
+    if not jit_allowed():
+        place = dataclasses.replace(place, note="used only when JIT is allowed" +
+                                    (f"; {place.note}" if place.note else ""))
+    return Info(versions={"tvm-flash": tvm_flash.__version__, "tvm": tvm.__version__,
+                          "tvm-ffi": tvm_ffi.__version__, "torch": torch.__version__},
+                target=target, places=(*places, place), jit=jit_allowed())
+
+
+# The build side's names, for callers that still import them from here; importing them loads
+# the compiler, so only on use.
+_BUILD_SIDE = ("build_artifact", "write_manifest", "metal_resources")
+
+
+def __getattr__(name: str):
+    if name in _BUILD_SIDE:
+        from . import export
+
+        return getattr(export, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """Compile a :class:`KernelKey`: kernel factory + schedule -> runtime module (+ device code).
 
-This module only compiles; :mod:`tvm_flash.artifacts` decides where compiled kernels live
-and how they are loaded.
+This module only compiles; :mod:`tvm_flash.export` writes compiled kernels as artifacts and
+:mod:`tvm_flash.artifacts` loads them (without importing this module for a prebuilt one).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import functools
 import hashlib
 import importlib
 import os
-import pathlib
 import shutil
 
 import tvm
@@ -18,13 +17,13 @@ import tvm
 from . import _schedules_path
 from .kernels import FACTORIES, TileConfig
 from .key import KernelKey
+from .opspec import SPECS
+from .source import source_digest
 from .target import make_target, target_kind
 
 schedules = _schedules_path.load()
 
-SYMBOLS = {"fwd": "flash_fwd", "bwd_pre": "flash_bwd_pre", "dq": "flash_dq", "dkv": "flash_dkv",
-           "fwd_split": "flash_fwd_split", "fwd_merge": "flash_fwd_merge",
-           "dq_split": "flash_dq_split", "dq_merge": "flash_dq_merge", "dkv_packed": "flash_dkv"}
+SYMBOLS = {op: spec.symbol for op, spec in SPECS.items()}
 """Name of the entry function of each kernel's module."""
 
 
@@ -49,36 +48,29 @@ def scheduled_module(key: KernelKey, tuned: dict | None = None) -> tvm.IRModule:
     return sch.mod
 
 
-def _source_files() -> list[pathlib.Path]:
-    """The files whose text decides the generated code: kernels, schedules, key, compiler."""
-    pkg = pathlib.Path(__file__).resolve().parent
-    files = sorted((pkg / "kernels").glob("*.py"))
-    files += sorted(pathlib.Path(schedules.__file__).resolve().parent.glob("*.py"))
-    return files + [pkg / "key.py", pkg / "build.py"]
-
-
-@functools.cache
-def source_digest() -> str:
-    """Digest of the kernel, schedule and build sources (line endings normalised)."""
-    h = hashlib.sha256()
-    for f in _source_files():
-        h.update(f.name.encode() + b"\0" + f.read_bytes().replace(b"\r\n", b"\n") + b"\0")
-    return h.hexdigest()
-
-
 def fingerprint(key: KernelKey, tuned: dict | None = None) -> str:
     """What an artifact of ``key`` was built from: the source digest, the key, its tile and
     its tuned decisions if any.
 
     Deliberately text-based rather than a hash of the lowered IR, so the same checkout gives
-    the same fingerprint on every machine and Python version.
+    the same fingerprint on every machine and Python version. It names JIT cache entries and is
+    recorded in manifests; loading a prebuilt kernel checks the recorded source digest instead
+    (recomputing this would run schedule code).
     """
-    if tuned:
-        choice = f"tuned:{tuned['tile']}:{sorted(tuned['decisions'].items())}"
-    else:
-        choice = str(schedules.for_target(target_kind(key.target)).tile_config(key))
-    h = hashlib.sha256(f"{source_digest()};{key.name};{choice}".encode())
-    return h.hexdigest()[:16]
+    if not tuned:
+        return _default_fingerprint(key)
+    choice = f"tuned:{tuned['tile']}:{sorted(tuned['decisions'].items())}"
+    return _digest(key, choice)
+
+
+@functools.cache
+def _default_fingerprint(key: KernelKey) -> str:
+    """The fingerprint with the schedule's own tile, once per key and process."""
+    return _digest(key, str(schedules.for_target(target_kind(key.target)).tile_config(key)))
+
+
+def _digest(key: KernelKey, choice: str) -> str:
+    return hashlib.sha256(f"{source_digest()};{key.name};{choice}".encode()).hexdigest()[:16]
 
 
 def compile_module(key: KernelKey, mod: tvm.IRModule | None = None):

@@ -11,17 +11,21 @@ from __future__ import annotations
 import dataclasses
 import re
 
-TILED_OPS = ("fwd", "bwd_pre", "dq", "dkv")
-"""Kernels: forward (O, LSE); backward preprocess (Delta = rowsum(dO * O)); dQ; dK/dV."""
-SHORT_QUERY_OPS = ("fwd_split", "fwd_merge", "dq_split", "dq_merge", "dkv_packed")
-"""The short-query ("vector") path: tiles pack the queries of a GQA group; forward and dQ cut
-the keys into splits whose partial results a merge kernel adds up in order; dK/dV as the
-tiled kernel over packed rows. ``bwd_pre`` is shared."""
-OPS = TILED_OPS + SHORT_QUERY_OPS
-PACKED_BASE = {"fwd_split": "fwd", "dq_split": "dq", "dkv_packed": "dkv"}
-"""Packed-row kernels -> the tiled kernel whose blocks and buffers they share."""
-MERGE_OPS = ("bwd_pre", "fwd_merge", "dq_merge")
+from . import opspec
+from .opspec import SPECS, OpSpec
+
+OPS = tuple(SPECS)
+"""Every kernel (op); :mod:`tvm_flash.opspec` describes each."""
+TILED_OPS = tuple(op for op, s in SPECS.items() if not s.short_query)
+"""The tiled path: forward (O, LSE); backward preprocess (Delta = rowsum(dO * O)); dQ; dK/dV."""
+SHORT_QUERY_OPS = tuple(op for op, s in SPECS.items() if s.short_query)
+"""The short-query ("vector") path (``bwd_pre`` is shared with the tiled one)."""
+ROW_WISE_OPS = tuple(op for op, s in SPECS.items() if s.row_wise)
 """Row-wise kernels: no causal mode, no GQA group (their keys say ``none`` and ``1``)."""
+MERGE_OPS = ROW_WISE_OPS
+"""Former name of :data:`ROW_WISE_OPS` (``bwd_pre`` is row-wise but merges nothing)."""
+PACKED_BASE = {op: s.packs for op, s in SPECS.items() if s.packs}
+"""Packed-row kernels -> the tiled kernel whose blocks and buffers they share."""
 
 DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 """Supported input dtypes (TVM spelling -> short name used in file names)."""
@@ -48,7 +52,7 @@ def dtype_name(dtype) -> str:
 class KernelKey:
     """Identity of one compiled kernel.
 
-    ``target`` is a target tag as made by :func:`tvm_flash.build.parse_target`, e.g. ``llvm``,
+    ``target`` is a target tag as made by :func:`tvm_flash.target.parse_target`, e.g. ``llvm``,
     ``cuda-sm_90`` or ``metal-apple-m2``. ``sinks``: the forward takes per-head sink logits
     (the backward kernels do not depend on it).
     """
@@ -62,8 +66,7 @@ class KernelKey:
     sinks: bool = False
 
     def __post_init__(self):
-        if self.op not in OPS:
-            raise ValueError(f"op: {self.op!r} is not one of {OPS}")
+        spec = self.spec
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim: {self.head_dim} is not supported; use one of {HEAD_DIMS}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
@@ -73,12 +76,18 @@ class KernelKey:
             raise ValueError(f"group: {self.group!r} must be a positive integer")
         if not re.fullmatch(r"[a-z0-9_.-]+", self.target):
             raise ValueError(f"target: {self.target!r} is not a target tag")
-        if self.sinks and self.op not in ("fwd", "fwd_merge"):
-            raise ValueError(f"sinks: only the fwd and fwd_merge kernels take sinks, not "
+        if self.sinks and not spec.sinks:
+            takes = [op for op, s in SPECS.items() if s.sinks]
+            raise ValueError(f"sinks: only the {' and '.join(takes)} kernels take sinks, not "
                              f"{self.op!r}")
-        if self.op in MERGE_OPS and (self.causal, self.group) != ("none", 1):
+        if spec.row_wise and (self.causal, self.group) != ("none", 1):
             raise ValueError(f"{self.op}: a row-wise kernel; its key takes causal='none', "
                              f"group=1")
+
+    @property
+    def spec(self) -> OpSpec:
+        """What the key's op is (:mod:`tvm_flash.opspec`)."""
+        return opspec.spec(self.op)
 
     @property
     def name(self) -> str:

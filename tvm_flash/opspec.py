@@ -1,0 +1,78 @@
+"""What each kernel (op) is: the one table that describes every op.
+
+Everything else that depends on the op reads it from here: :class:`~tvm_flash.key.KernelKey`
+(which key fields an op takes), the loader (the entry symbol of a module), the kernel factories
+(``tvm_flash.kernels.FACTORIES``) and the schedules (row-wise kernels, packed rows). Pure data:
+importing it compiles nothing, so the loader can use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """One kernel.
+
+    ``args``: the entry function's parameters in order, by the names its kernel gives them
+    (the buffers, then ``scale``), as :mod:`tvm_flash.ops` passes them. ``factory`` names the
+    function of :mod:`tvm_flash.kernels` that writes it and ``factory_args`` the parameters it
+    is called with: key fields (``head_dim``, ``dtype``, ``causal``, ``group``, ``sinks``), the
+    ``tile``, and ``packed`` (true for a kernel over packed rows).
+    """
+
+    name: str
+    symbol: str
+    args: tuple[str, ...]
+    factory: str
+    factory_args: tuple[str, ...]
+    row_wise: bool = False
+    """One output row from the same row of its inputs: no tile walk, so no causal mode and no
+    GQA group (its keys say ``none`` and ``1``)."""
+    sinks: bool = False
+    """Takes per-head sink logits: its key exists with and without ``sinks``."""
+    packs: str | None = None
+    """A kernel over packed query rows (the queries of a GQA group in one tile): the tiled op
+    whose blocks and buffers it shares, so a schedule treats it as that op."""
+    short_query: bool = False
+    """Part of the short-query ("vector") path rather than the tiled one."""
+
+
+_TILE = ("head_dim", "dtype", "causal", "group", "tile")
+
+SPECS = {spec.name: spec for spec in (
+    # the tiled path: forward (O, LSE); backward preprocess (Delta = rowsum(dO * O)); dQ; dK/dV
+    OpSpec("fwd", "flash_fwd", ("Q", "K", "V", "Sinks", "O", "LSE", "scale"),
+           "flash_forward", (*_TILE, "sinks"), sinks=True),
+    OpSpec("bwd_pre", "flash_bwd_pre", ("O", "dO", "Delta"),
+           "flash_bwd_preprocess", ("head_dim", "dtype", "tile"), row_wise=True),
+    OpSpec("dq", "flash_dq", ("Q", "K", "V", "dO", "LSE", "Delta", "dQ", "scale"),
+           "flash_dq", _TILE),
+    OpSpec("dkv", "flash_dkv", ("Q", "K", "V", "dO", "LSE", "Delta", "dK", "dV", "scale"),
+           "flash_dkv", _TILE),
+    # the short-query path: forward and dQ cut the keys into splits whose partial results a
+    # merge kernel adds up in order; dK/dV is the tiled kernel over packed rows; ``bwd_pre``
+    # is shared with the tiled path
+    OpSpec("fwd_split", "flash_fwd_split", ("Q", "K", "V", "Opart", "Mpart", "Lpart", "scale"),
+           "flash_forward_split", _TILE, packs="fwd", short_query=True),
+    OpSpec("fwd_merge", "flash_fwd_merge", ("Opart", "Mpart", "Lpart", "Sinks", "O", "LSE"),
+           "flash_forward_merge", ("head_dim", "dtype", "sinks"), row_wise=True, sinks=True,
+           short_query=True),
+    OpSpec("dq_split", "flash_dq_split",
+           ("Q", "K", "V", "dO", "LSE", "Delta", "dQpart", "scale"),
+           "flash_dq_split", _TILE, packs="dq", short_query=True),
+    OpSpec("dq_merge", "flash_dq_merge", ("dQpart", "dQ", "scale"),
+           "flash_dq_merge", ("head_dim", "dtype"), row_wise=True, short_query=True),
+    OpSpec("dkv_packed", "flash_dkv", ("Q", "K", "V", "dO", "LSE", "Delta", "dK", "dV", "scale"),
+           "flash_dkv", (*_TILE, "packed"), packs="dkv", short_query=True),
+)}
+"""Every op by name, the tiled path first."""
+
+
+def spec(op: str) -> OpSpec:
+    """The :class:`OpSpec` of ``op``; a clear error for an unknown one."""
+    try:
+        return SPECS[op]
+    except KeyError:
+        raise ValueError(f"op: {op!r} is not one of {tuple(SPECS)}") from None
