@@ -1,15 +1,18 @@
 """tvm-flash: flash attention forward and backward, written once in TVM TensorIR.
 
 ``tvm_flash.attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)`` is a drop-in for
-``torch.nn.functional.scaled_dot_product_attention`` on CPU and CUDA tensors.
+``torch.nn.functional.scaled_dot_product_attention`` on CPU and CUDA tensors;
+``tvm_flash.flash_attn_func`` (and the kv- / qkv-packed variants) one for flash-attn 2.
 """
 
 from .artifacts import ArtifactError, allow_jit, use_artifacts
+from .flash_attn import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from .key import CAUSAL_MODES, HEAD_DIMS, OPS, KernelKey
 from .nn import scaled_dot_product_attention
 from .ops import attention
 from .reference import attention_reference
 
 __all__ = ["CAUSAL_MODES", "HEAD_DIMS", "OPS", "ArtifactError", "KernelKey", "allow_jit",
-           "attention", "attention_reference", "scaled_dot_product_attention", "use_artifacts"]
+           "attention", "attention_reference", "flash_attn_func", "flash_attn_kvpacked_func",
+           "flash_attn_qkvpacked_func", "scaled_dot_product_attention", "use_artifacts"]
 __version__ = "0.1.0"
