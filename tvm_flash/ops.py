@@ -4,12 +4,12 @@ The compiled kernels take torch tensors directly (tvm-ffi reads them through DLP
 copies, no ``.numpy()``. CUDA kernels run on PyTorch's current stream (see
 :mod:`tvm_flash.plan`).
 
-Two doors to the same forward and backward: in eager mode :func:`attention` calls
-:class:`_Attention` (a ``torch.autograd.Function``; with no gradient to record, the forward
-directly), which costs a few microseconds; under ``torch.compile`` (and for fake or subclass
-tensors, or with a dispatch mode active) it calls the custom ops ``tvm_flash::fwd`` /
-``tvm_flash::bwd``, which the compiler sees as opaque nodes with fake implementations and an
-autograd formula, at the custom-op wrappers' cost (tens of microseconds) per call.
+Two doors to the same forward and backward (:func:`forward`): in eager mode a
+``torch.autograd.Function`` (:class:`_Attention`; with no gradient to record, the forward
+itself), which skips the custom-op wrappers that issue #20's profile found most of a small
+call's host time in; under ``torch.compile`` (and for fake or subclass tensors, or with a
+dispatch mode active) the custom ops ``tvm_flash::fwd`` / ``tvm_flash::bwd``, which the
+compiler sees as opaque nodes with fake implementations and an autograd formula.
 """
 
 from __future__ import annotations
