@@ -10,6 +10,7 @@ from tvm import s_tir
 from tvm_flash.kernels.common import TileConfig
 from tvm_flash.key import MERGE_OPS, PACKED_BASE, KernelKey
 
+from . import PACKED_ROWS
 from .common import apply_unroll
 
 defaults = {"unroll": 0}
@@ -19,8 +20,8 @@ space = {"unroll": (0, 16, 64)}
 
 
 def tile_config(key: KernelKey) -> TileConfig:
-    # short-query kernels (a few packed query rows): 8 rows, long key tiles
-    return TileConfig(8, 64) if key.op in PACKED_BASE else TileConfig(32, 32)
+    # short-query kernels (a few packed query rows): long key tiles
+    return TileConfig(PACKED_ROWS, 64) if key.op in PACKED_BASE else TileConfig(32, 32)
 
 
 def tiles(key: KernelKey) -> list[TileConfig]:

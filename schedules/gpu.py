@@ -21,6 +21,7 @@ from tvm import s_tir
 from tvm_flash.kernels.common import TileConfig
 from tvm_flash.key import KernelKey
 
+from . import PACKED_ROWS
 from .common import apply_unroll, has_block, pad_rows, set_scopes
 
 THREADS = 128
@@ -41,9 +42,8 @@ class GpuParams:
 
 _ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 _CANDIDATES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16), (16, 8), (8, 16))
-# Short-query kernels: 8 packed query rows (a decode step of 8 heads, or 8 queries of one), the
-# longest key tile that fits.
-_SHORT_CANDIDATES = ((8, 128), (8, 64), (8, 32), (8, 16))
+# Short-query kernels: PACKED_ROWS packed query rows, the longest key tile that fits.
+_SHORT_CANDIDATES = tuple((PACKED_ROWS, bk) for bk in (128, 64, 32, 16))
 
 def _blocks_of(key: KernelKey) -> str:
     """The tiled op whose blocks and buffers ``key``'s kernel has (a packed-row kernel shares

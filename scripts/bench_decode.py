@@ -3,7 +3,7 @@
 torch SDPA's flash and cuDNN backends, side by side in one run.
 
 For each (Lq, Lk) both of our paths run on the same tensors (the path is forced through
-``tvm_flash.ops.SHORT_QUERY_MAX``), so the table shows where the short-query kernels stop
+``tvm_flash.plan.SHORT_QUERY_MAX``), so the table shows where the short-query kernels stop
 paying: the crossover that sets ``SHORT_QUERY_MAX``.
 
 Figures: median ms of the forward (and of the backward with ``--backward``), and the forward's
@@ -29,7 +29,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from bench import BACKENDS, DTYPES, _commit, _time_ms  # noqa: E402
 
-from tvm_flash import ops  # noqa: E402
+from tvm_flash import plan  # noqa: E402
 
 PATHS = {"short": 1 << 30, "tiled": 0}  # SHORT_QUERY_MAX that forces each path
 
@@ -37,12 +37,12 @@ PATHS = {"short": 1 << 30, "tiled": 0}  # SHORT_QUERY_MAX that forces each path
 @contextlib.contextmanager
 def _forced(name):
     """Inside: our kernels take the path ``name`` names (forward and backward alike)."""
-    saved = ops.SHORT_QUERY_MAX
-    ops.SHORT_QUERY_MAX = PATHS.get(name.removeprefix("tvm-flash-"), saved)
+    saved = plan.SHORT_QUERY_MAX
+    plan.SHORT_QUERY_MAX = PATHS.get(name.removeprefix("tvm-flash-"), saved)
     try:
         yield
     finally:
-        ops.SHORT_QUERY_MAX = saved
+        plan.SHORT_QUERY_MAX = saved
 
 
 def measure(b, hq, hkv, lq, lk, d, dtype, backends, backward, reps):
@@ -117,7 +117,7 @@ def main(argv=None):
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "commit": _commit(), "date": datetime.date.today().isoformat(),
             "batch": args.batch, "hq": hq, "hkv": hkv, "head_dim": args.head_dim,
-            "dtype": args.dtype, "short_query_max": ops.SHORT_QUERY_MAX}
+            "dtype": args.dtype, "short_query_max": plan.SHORT_QUERY_MAX}
     pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {args.out}")
 

@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from tvm_flash import artifacts, export, tuning  # noqa: E402
 from tvm_flash.build import schedules  # noqa: E402
-from tvm_flash.key import CAUSAL_MODES, DTYPES, HEAD_DIMS, MERGE_OPS, OPS, KernelKey  # noqa: E402
+from tvm_flash.key import CAUSAL_MODES, DTYPES, HEAD_DIMS, KernelKey  # noqa: E402
+from tvm_flash.plan import call_keys  # noqa: E402
 from tvm_flash.target import parse_target, target_kind  # noqa: E402
 
 SHORT = {v: k for k, v in DTYPES.items()}
@@ -42,20 +43,15 @@ def _csv(text, convert=str):
 
 
 def plan(target: str, head_dims, dtypes, causals, groups, sinks=False) -> list[KernelKey]:
-    """Every kernel key to build: the tiled and the short-query kernels (the row-wise ones
-    depend on head dim and dtype only; with ``sinks`` the forward and its merge are built with
-    and without sink logits)."""
+    """Every kernel key to build: what calls with these static facts run, short-query and
+    tiled, forward and backward (:func:`tvm_flash.plan.call_keys`); with ``sinks`` the
+    forward and its merge with and without sink logits. Each key once (the row-wise kernels
+    are shared by every causal mode and group)."""
     keys = []
-    with_sinks = (False, True) if sinks else (False,)
-    for d, dt in itertools.product(head_dims, dtypes):
-        keys += [KernelKey(op, d, dt, "none", 1, target) for op in MERGE_OPS if op != "fwd_merge"]
-        keys += [KernelKey("fwd_merge", d, dt, "none", 1, target, sinks=s) for s in with_sinks]
-        for causal, g in itertools.product(causals, groups):
-            keys += [KernelKey(op, d, dt, causal, g, target) for op in OPS
-                     if op not in MERGE_OPS]
-            if sinks:
-                keys.append(KernelKey("fwd", d, dt, causal, g, target, sinks=True))
-    return keys
+    for d, dt, causal, g, s in itertools.product(head_dims, dtypes, causals, groups,
+                                                 (False, True) if sinks else (False,)):
+        keys += call_keys(target, d, dt, causal, g, sinks=s)
+    return list(dict.fromkeys(keys))
 
 
 def check_supported(keys) -> None:

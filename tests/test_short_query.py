@@ -1,4 +1,4 @@
-"""The short-query ("vector") path: Lq <= ops.SHORT_QUERY_MAX (12) takes packed-row, key-split
+"""The short-query ("vector") path: Lq <= plan.SHORT_QUERY_MAX (12) takes packed-row, key-split
 kernels. Values and gradients against float64, with the number of key splits forced so that
 splits (including empty ones) and their merge are exercised on every device."""
 
@@ -7,7 +7,7 @@ import torch
 from checks import check_against_reference, make_inputs
 from conftest import DEVICES
 
-from tvm_flash import attention, ops
+from tvm_flash import attention, plan
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CAUSAL = ["none", "top-left", "bottom-right"]
@@ -17,20 +17,26 @@ SHAPES = [(64, 4, 4), (64, 8, 2), (128, 8, 1)]
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The kernels launched, in order."""
+    """The kernels launched, in order (plans made meanwhile hold recording kernels)."""
     seen = []
-    real = ops._launch
+    real = plan.kernel
 
-    def record(op, meta, *args):
-        seen.append(op)
-        return real(op, meta, *args)
+    def recording(key):
+        fn = real(key)
 
-    monkeypatch.setattr(ops, "_launch", record)
-    return seen
+        def record(*args):
+            seen.append(key.op)
+            return fn(*args)
+        return record
+
+    plan.clear()
+    monkeypatch.setattr(plan, "kernel", recording)
+    yield seen
+    plan.clear()
 
 
 def force_splits(monkeypatch, n):
-    monkeypatch.setattr(ops, "num_splits", lambda q, k: n)
+    monkeypatch.setattr(plan, "num_splits", lambda q, k, packed_rows, units: n)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -72,7 +78,7 @@ def test_short_and_tiled_paths_agree(device, monkeypatch):
     q, k, v, _ = make_inputs(2, 8, 2, 6, 500, 64, torch.float32, device)
     short = attention(q, k, v, is_causal=True, causal_alignment="bottom-right",
                       enable_gqa=True)
-    monkeypatch.setattr(ops, "SHORT_QUERY_MAX", 0)
+    monkeypatch.setattr(plan, "SHORT_QUERY_MAX", 0)
     tiled = attention(q, k, v, is_causal=True, causal_alignment="bottom-right",
                       enable_gqa=True)
     torch.testing.assert_close(short, tiled, rtol=1e-5, atol=1e-5)
@@ -94,7 +100,7 @@ def test_short_query_backward_is_deterministic(device, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tiled_path_beyond_the_threshold(device, launches):
-    q, k, v, do = make_inputs(1, 2, 2, ops.SHORT_QUERY_MAX + 1, 40, 64, torch.float32, device)
+    q, k, v, do = make_inputs(1, 2, 2, plan.SHORT_QUERY_MAX + 1, 40, 64, torch.float32, device)
     check_against_reference(q, k, v, do, "none")
     assert launches == ["fwd", "bwd_pre", "dq", "dkv"]
 
@@ -102,10 +108,27 @@ def test_tiled_path_beyond_the_threshold(device, launches):
 def test_num_splits_fills_the_device_but_keeps_splits_long():
     q = torch.empty(1, 32, 1, 128)
     k = torch.empty(1, 8, 128 * 1024, 128)
-    n = ops.num_splits(q, k)
-    assert 1 <= n <= 128 * 1024 // ops.KEYS_PER_SPLIT_MIN
-    assert ops.num_splits(q, torch.empty(1, 8, 300, 128)) <= 2  # 300 keys: at most 2 splits
-    assert ops.num_splits(torch.empty(64, 32, 8, 128), k) == 1  # already enough blocks
+    units = 2 * 132  # an H100: two blocks per SM
+    n = plan.num_splits(q, k, plan.PACKED_ROWS, units)
+    assert n == 33  # 8 key/value heads x 1 tile (their 4 query heads packed): 33 x 8 = 264
+    assert 1 <= n <= 128 * 1024 // plan.KEYS_PER_SPLIT_MIN
+    # 300 keys: at most 2 splits
+    assert plan.num_splits(q, torch.empty(1, 8, 300, 128), plan.PACKED_ROWS, units) == 2
+    # already enough blocks
+    assert plan.num_splits(torch.empty(64, 32, 8, 128), k, plan.PACKED_ROWS, units) == 1
+
+
+@pytest.mark.parametrize("kind", ["llvm", "cuda", "metal"])
+def test_packed_rows_is_the_schedules_tile(kind):
+    """The split sizing uses the row count every target's schedule gives short-query tiles."""
+    from tvm_flash.build import schedules
+    from tvm_flash.key import PACKED_BASE, KernelKey
+
+    target = {"llvm": "llvm", "cuda": "cuda-sm_90", "metal": "metal"}[kind]
+    for op in PACKED_BASE:
+        for dtype in ("float16", "float32"):
+            key = KernelKey(op, 64, dtype, "top-left", 4, target)
+            assert schedules.for_target(kind).tile_config(key).block_q == plan.PACKED_ROWS
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,7 +1,15 @@
-"""PyTorch binding: input checks, kernel launches through DLPack, autograd.
+"""PyTorch binding: input checks, the forward and backward around their plans, autograd.
 
 The compiled kernels take torch tensors directly (tvm-ffi reads them through DLPack): no host
-copies, no ``.numpy()``. CUDA kernels run on PyTorch's current stream.
+copies, no ``.numpy()``. CUDA kernels run on PyTorch's current stream (see
+:mod:`tvm_flash.plan`).
+
+Two doors to the same forward and backward (:func:`forward`): in eager mode a
+``torch.autograd.Function`` (:class:`_Attention`; with no gradient to record, the forward
+itself), which skips the custom-op wrappers that issue #20's profile found most of a small
+call's host time in; under ``torch.compile`` (and for fake or subclass tensors, or with a
+dispatch mode active) the custom ops ``tvm_flash::fwd`` / ``tvm_flash::bwd``, which the
+compiler sees as opaque nodes with fake implementations and an autograd formula.
 """
 
 from __future__ import annotations
@@ -10,108 +18,39 @@ import functools
 import math
 
 import torch
-import tvm
-import tvm_ffi
 
-from .artifacts import kernel
-from .key import HEAD_DIMS, KernelKey
-from .layout import kernel_view as _dense
-from .target import target_tag_for_device
+from . import plan
+from .key import HEAD_DIMS
+from .layout import kernel_view
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
 
 
-def _launch(op: str, meta: dict, *args) -> None:
-    device = args[0].device
-    key = KernelKey(op=op, target=target_tag_for_device(device), **meta)
-    fn = kernel(key)
-    if device.type == "cuda":
-        stream = torch.cuda.current_stream(device).cuda_stream
-        with tvm_ffi.use_raw_stream(tvm_ffi.device("cuda", device.index), stream):
-            fn(*args)
-    elif device.type == "mps":
-        # TVM's Metal runtime has its own command queue: order it after torch's and back.
-        # (Not run yet: no Mac here; see README "Metal".)
-        torch.mps.synchronize()
-        fn(*args)
-        tvm.runtime.device("metal", 0).sync()
-    else:
-        fn(*args)
-
-
-def _meta(q, k, causal: str) -> dict:
-    return {"head_dim": q.shape[-1], "dtype": _TORCH_DTYPES[q.dtype], "causal": causal,
-            "group": q.shape[1] // k.shape[1]}
-
-
-def _row_wise(meta: dict) -> dict:
-    """The key fields of a row-wise kernel (no causal mode, no group)."""
-    return {**meta, "causal": "none", "group": 1}
-
-
-SHORT_QUERY_MAX = 12
-"""Query lengths up to this take the short-query ("vector") kernels: tiles pack the queries
-of a GQA group (8 rows) and the keys are split over blocks. Longer ones take the tiled kernels.
-Set from the H200 crossover (docs/perf.md, "Short queries"): the short path is >= 2x faster
-through Lq = 12 at batch 1 and 8, and only breaks even with the tiled kernels at Lq = 16."""
-KEYS_PER_SPLIT_MIN = 256
-"""A key split is never shorter than this (fewer, longer splits merge cheaper)."""
-_PACKED_ROWS = 8  # rows of a short-query tile (schedules pick 8; only used to size the grid)
-
-
-@functools.cache
-def _parallel_units(device) -> int:
-    """Blocks that keep ``device`` busy: two per SM on CUDA, one per thread on the CPU."""
-    if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, torch.get_num_threads())
-
-
-def num_splits(q, k) -> int:
-    """Key splits for the short-query kernels: enough blocks to fill the device, but splits
-    of at least ``KEYS_PER_SPLIT_MIN`` keys."""
-    b, hq, lq, _ = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    blocks = b * hkv * math.ceil(hq // hkv * lq / _PACKED_ROWS)
-    want = math.ceil(_parallel_units(q.device) / blocks)
-    return max(1, min(want, math.ceil(lk / KEYS_PER_SPLIT_MIN)))
-
-
-def _partials(q, splits: int, *trailing):
-    """float32 workspace of shape ``(splits * B, Hq, Lq, *trailing)``."""
-    b, hq, lq, _ = q.shape
-    return torch.empty((splits * b, hq, lq, *trailing), dtype=torch.float32, device=q.device)
-
-
-def _short(q) -> bool:
-    return q.shape[2] <= SHORT_QUERY_MAX
-
-
 def flash_forward(q, k, v, sinks, causal: str, scale: float):
-    """Run the forward kernels: returns ``(out, lse)``. Inputs must already be validated;
-    ``sinks`` is None or a float32 ``(Hq,)`` tensor."""
-    out = q.new_empty(q.shape)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    """Run the forward kernels: returns ``(out, lse)``. Inputs must already be validated and
+    in the kernels' layout (:func:`tvm_flash.layout.kernel_view`); ``sinks`` is None or a
+    float32 ``(Hq,)`` tensor."""
+    b, hq, lq, d = q.shape
+    out = q.new_empty((b, hq, lq, d))
+    lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     if k.shape[2] == 0:  # no keys at all: every row is empty (but for its sink)
         lse.fill_(-math.inf) if sinks is None else lse.copy_(sinks[None, :, None].expand_as(lse))
         return out.zero_(), lse
-    meta = _meta(q, k, causal)
-    with_sinks = {"sinks": sinks is not None}
-    # without sinks the kernel ignores this (Hq,) buffer; it only fixes the calling convention
-    sink_arg = sinks if sinks is not None else lse.new_empty(q.shape[1])
-    if _short(q):
-        splits = num_splits(q, k)
-        o_part, m_part, l_part = _partials(q, splits, q.shape[3]), _partials(q, splits), \
-            _partials(q, splits)
-        _launch("fwd_split", meta, q, k, v, o_part, m_part, l_part, scale)
-        _launch("fwd_merge", {**_row_wise(meta), **with_sinks}, o_part, m_part, l_part, sink_arg,
-                out, lse)
-    else:
-        _launch("fwd", {**meta, **with_sinks}, q, k, v, sink_arg, out, lse, scale)
+    run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], sinks is not None, lq, False)
+    run.forward(q, k, v, sinks if sinks is not None else _no_sinks(q.device, hq), out, lse,
+                scale)
     return out, lse
+
+
+@functools.cache
+def _no_sinks(device, hq: int):
+    """The sinks argument of a forward built without sinks: the kernel never reads this
+    ``(Hq,)`` buffer (it only fixes the calling convention), so one per device and head
+    count serves every call."""
+    return torch.empty(hq, dtype=torch.float32, device=device)
 
 
 def sink_gradient(sinks, lse, delta):
@@ -127,25 +66,24 @@ def sink_gradient(sinks, lse, delta):
 
 def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
     """Run preprocess, dQ and dK/dV: returns ``(dq, dk, dv, dsinks)``; dsinks is zeros of
-    shape (Hq,) without sinks."""
+    shape (Hq,) without sinks. Tensors in the kernels' layout, ``lse`` contiguous."""
+    b, hq, lq, d = q.shape
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
-    dsinks = lse.new_zeros(q.shape[1])
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
-    meta = _meta(q, k, causal)
-    delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    _launch("bwd_pre", _row_wise(meta), out, do, delta)
-    if _short(q):
-        dq_part = _partials(q, num_splits(q, k), q.shape[3])
-        _launch("dq_split", meta, q, k, v, do, lse, delta, dq_part, scale)
-        _launch("dq_merge", _row_wise(meta), dq_part, dq, scale)
-        _launch("dkv_packed", meta, q, k, v, do, lse, delta, dk, dv, scale)
-    else:
-        _launch("dq", meta, q, k, v, do, lse, delta, dq, scale)
-        _launch("dkv", meta, q, k, v, do, lse, delta, dk, dv, scale)
-    if sinks is not None:
-        dsinks = sink_gradient(sinks, lse, delta)
+        return dq.zero_(), dk.zero_(), dv.zero_(), lse.new_zeros(hq)
+    run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], False, lq, True)
+    delta = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
+    run.backward(do, q, k, v, out, lse, delta, dq, dk, dv, scale)
+    dsinks = sink_gradient(sinks, lse, delta) if sinks is not None else lse.new_zeros(hq)
     return dq, dk, dv, dsinks
+
+
+def _eager(q, k, v) -> bool:
+    """Whether a call may skip the custom ops: not traced by torch.compile / export, plain
+    tensors (not fake or subclass ones), no dispatch mode that expects to see the op."""
+    return (not torch.compiler.is_compiling() and type(q) is torch.Tensor
+            and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and not torch._C._len_torch_dispatch_stack())
 
 
 # ----------------------------------------------------------------------- torch custom ops
@@ -156,7 +94,7 @@ def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
 @torch.library.custom_op("tvm_flash::fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
             causal: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_forward(_dense(q), _dense(k), _dense(v), sinks, causal, scale)
+    return flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal, scale)
 
 
 # Fakes return contiguous tensors, as the real ops do whatever the input strides are.
@@ -169,8 +107,8 @@ def _(q, k, v, sinks, causal, scale):
 def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, causal: str,
             scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_backward(_dense(do), _dense(q), _dense(k), _dense(v), _dense(out),
-                          lse.contiguous(), sinks, causal, scale)
+    return flash_backward(kernel_view(do), kernel_view(q), kernel_view(k), kernel_view(v),
+                          kernel_view(out), lse.contiguous(), sinks, causal, scale)
 
 
 @_bwd_op.register_fake
@@ -196,43 +134,91 @@ def _backward(ctx, dout, _dlse):
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool, sinks=None) -> float:
+class _Attention(torch.autograd.Function):
+    """The eager door: the custom op's forward and autograd formula without its wrappers.
+    Saves the kernel views of q, k, v (the same tensors unless a copy was needed), so the
+    backward takes them as they are."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, causal, scale):
+        q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
+        out, lse = flash_forward(q, k, v, sinks, causal, scale)
+        _setup_context(ctx, (q, k, v, sinks, causal, scale), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        if not _eager(dout, q, k):  # traced (compiled autograd): the tracer sees the op
+            return _backward(ctx, dout, _dlse)
+        dq, dk, dv, dsinks = flash_backward(kernel_view(dout), q, k, v, out, lse, sinks,
+                                            ctx.causal, ctx.scale)
+        return dq, dk, dv, (dsinks if sinks is not None else None), None, None
+
+
+def forward(q, k, v, sinks, causal: str, scale: float):
+    """``(out, lse)`` of validated inputs in ``(B, H, L, D)``, recording the backward where
+    autograd needs it; the custom op ``tvm_flash::fwd`` where a tracer must see it."""
+    if not _eager(q, k, v):
+        return _fwd_op(q, k, v, sinks, causal, scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
+            sinks is not None and sinks.requires_grad)):
+        return _Attention.apply(q, k, v, sinks, causal, scale)
+    return flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal, scale)
+
+
+BHLD = "(B, H, L, D)"
+"""torch SDPA's layout of q, k, v (:func:`attention`)."""
+BLHD = "(B, L, H, D)"
+"""flash-attn's layout (:mod:`tvm_flash.flash_attn`)."""
+_NAMES = {"q": "q", "k": "k", "v": "v", "scale": "scale"}
+
+
+def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool, sinks=None,
+                 layout: str = BHLD, names: dict | None = None) -> float:
     """Validate the public arguments; return the softmax scale to use.
 
-    Every error names the argument and what is supported.
+    Every error names the argument and what is supported. ``layout``: the order of q, k and
+    v's dimensions, ``BHLD`` or ``BLHD`` (shapes are reported as given). ``names``: what the
+    caller calls ``q``, ``k``, ``v`` and ``scale`` where that differs (flash-attn's
+    ``softmax_scale``, a slice of a packed tensor).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    n = _NAMES if names is None else {**_NAMES, **names}
+    for name, t in ((n["q"], q), (n["k"], k), (n["v"], v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name}: expected 4 dimensions (B, H, L, D), got shape "
+            raise ValueError(f"{name}: expected 4 dimensions {layout}, got shape "
                              f"{tuple(t.shape)}")
         if t.dtype not in _TORCH_DTYPES:
             raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of "
                             f"{[str(d) for d in _TORCH_DTYPES]}")
-    for name, t in (("k", k), ("v", v)):
+    for name, t in ((n["k"], k), (n["v"], v)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+            raise TypeError(f"{name}: dtype {t.dtype} differs from {n['q']}'s {q.dtype}")
         if t.device != q.device:
-            raise ValueError(f"{name}: device {t.device} differs from q's {q.device}")
+            raise ValueError(f"{name}: device {t.device} differs from {n['q']}'s {q.device}")
     if q.device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"q: device {q.device} is not supported; use a cpu, cuda or mps "
-                         "tensor")
-    b, hq, _, d = q.shape
+        raise ValueError(f"{n['q']}: device {q.device} is not supported; use a cpu, cuda or "
+                         "mps tensor")
+    heads = 1 if layout == BHLD else 2
+    b, hq, d = q.shape[0], q.shape[heads], q.shape[3]
     if k.shape != v.shape:
-        raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)} "
-                         "(same batch, heads, key length and head_dim required)")
+        raise ValueError(f"{n['v']}: shape {tuple(v.shape)} differs from {n['k']}'s "
+                         f"{tuple(k.shape)} (same batch, heads, key length and head_dim "
+                         "required)")
     if k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k: shape {tuple(k.shape)} does not match q's batch {b} and "
-                         f"head_dim {d}")
+        raise ValueError(f"{n['k']}: shape {tuple(k.shape)} does not match {n['q']}'s batch "
+                         f"{b} and head_dim {d}")
     if d not in HEAD_DIMS:
-        raise ValueError(f"q: head_dim {d} is not supported; use one of {HEAD_DIMS}")
-    hkv = k.shape[1]
+        raise ValueError(f"{n['q']}: head_dim {d} is not supported; use one of {HEAD_DIMS}")
+    hkv = k.shape[heads]
     if hkv == 0 or hq % hkv:
-        raise ValueError(f"k: {hkv} key/value heads do not divide q's {hq} query heads")
+        raise ValueError(f"{n['k']}: {hkv} key/value heads do not divide {n['q']}'s {hq} "
+                         "query heads")
     if hq != hkv and not enable_gqa:
-        raise ValueError(f"k: {hkv} key/value heads differ from q's {hq} heads; pass "
-                         "enable_gqa=True for grouped-query attention")
+        raise ValueError(f"{n['k']}: {hkv} key/value heads differ from {n['q']}'s {hq} heads; "
+                         "pass enable_gqa=True for grouped-query attention")
     if sinks is not None:
         if not isinstance(sinks, torch.Tensor):
             raise TypeError(f"sinks: expected a torch.Tensor of shape ({hq},), got "
@@ -244,12 +230,13 @@ def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool, sinks=None) -
             raise TypeError(f"sinks: dtype {sinks.dtype} is not supported; use one of "
                             f"{[str(d) for d in _TORCH_DTYPES]}")
         if sinks.device != q.device:
-            raise ValueError(f"sinks: device {sinks.device} differs from q's {q.device}")
+            raise ValueError(f"sinks: device {sinks.device} differs from {n['q']}'s "
+                             f"{q.device}")
     if scale is None:
         return 1.0 / math.sqrt(d)
     scale = float(scale)
     if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale: must be a finite positive number, got {scale}")
+        raise ValueError(f"{n['scale']}: must be a finite positive number, got {scale}")
     return scale
 
 
@@ -291,6 +278,6 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
                          sinks=sinks)
     if sinks is not None:
         sinks = sinks.float().contiguous()  # differentiable cast: dsinks flows back
-    out, lse = _fwd_op(q, k, v, sinks, causal, scale)
+    out, lse = forward(q, k, v, sinks, causal, scale)
     return (out, lse) if return_lse else out
 

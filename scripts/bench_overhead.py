@@ -1,0 +1,150 @@
+#!/usr/bin/env python
+"""Per-call wall time of tvm-flash against torch SDPA at shapes small enough that the host
+side (Python, dispatch, allocation, launches) is what a call costs.
+
+Three cases (issue #20's shapes; bf16 on CUDA):
+
+    fwd      B 2, H 8, N 128, D 64, causal                     forward only, no autograd graph
+    fwd+bwd  the same, forward and backward                    out.backward(do)
+    decode   B 1, Hq 32, Hkv 8, Lq 1, Lk 4096, D 128           forward only, no mask
+
+Rows: torch SDPA (``F.scaled_dot_product_attention``), ``tvm_flash.attention`` on
+(B, H, L, D) tensors and, where the package has it, ``tvm_flash.flash_attn_func`` on
+(B, L, H, D) tensors. A figure is the median over ``--repeats`` runs of ``--iters``
+back-to-back calls, divided by ``--iters``; the device is synchronised after each run. With
+tiny kernels the device finishes each call before the host issues the next, so this is the
+host's cost per call.
+
+On CUDA if present, else on the CPU (``--device`` overrides); ``--tiny`` shrinks every shape
+(CPU: lets the host part show next to the CPU kernels' own time).
+
+    TVM_FLASH_JIT=1 python scripts/bench_overhead.py --out overhead.json          # H200
+    TVM_FLASH_JIT=1 python scripts/bench_overhead.py --tiny --dtype fp32          # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from bench import DTYPES, _commit  # noqa: E402
+
+import tvm_flash  # noqa: E402
+
+# name -> (B, Hq, Hkv, Lq, Lk, D, causal, backward)
+SHAPES = {"fwd": (2, 8, 8, 128, 128, 64, True, False),
+          "fwd+bwd": (2, 8, 8, 128, 128, 64, True, True),
+          "decode": (1, 32, 8, 1, 4096, 128, False, False)}
+TINY = {"fwd": (1, 2, 2, 16, 16, 64, True, False),
+        "fwd+bwd": (1, 2, 2, 16, 16, 64, True, True),
+        "decode": (1, 4, 1, 1, 64, 64, False, False)}
+
+
+def _sdpa(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _attention(q, k, v, causal):
+    return tvm_flash.attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _flash_attn(q, k, v, causal):  # (B, L, H, D) in and out
+    return tvm_flash.flash_attn_func(q, k, v, causal=causal)
+
+
+IMPLS = {"sdpa": (_sdpa, "bhld"), "tvm_flash.attention": (_attention, "bhld")}
+if hasattr(tvm_flash, "flash_attn_func"):
+    IMPLS["tvm_flash.flash_attn_func"] = (_flash_attn, "blhd")
+
+
+def _per_call_us(fn, device, iters: int, repeats: int) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(max(3, iters // 10)):
+        fn()
+    sync()
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        runs.append((time.perf_counter() - start) / iters)
+    return statistics.median(runs) * 1e6
+
+
+def measure(case, shape, impl, layout, dtype, device, iters, repeats) -> float:
+    b, hq, hkv, lq, lk, d, causal, backward = shape
+    q = torch.randn(b, hq, lq, d, dtype=dtype, device=device)
+    k = torch.randn(b, hkv, lk, d, dtype=dtype, device=device)
+    v = torch.randn(b, hkv, lk, d, dtype=dtype, device=device)
+    do = torch.randn(b, hq, lq, d, dtype=dtype, device=device)
+    if layout == "blhd":  # flash-attn's layout, contiguous as a model's projections give it
+        q, k, v, do = (t.transpose(1, 2).contiguous() for t in (q, k, v, do))
+    if backward:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+        def fn():
+            impl(q, k, v, causal).backward(do)
+    else:
+        def fn():
+            with torch.no_grad():
+                impl(q, k, v, causal)
+    return _per_call_us(fn, device, iters, repeats)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="default: bf16 on CUDA, fp32 on the CPU")
+    p.add_argument("--tiny", action="store_true", help="shrink every shape (see TINY)")
+    p.add_argument("--iters", type=int, default=200, help="calls per timed run")
+    p.add_argument("--repeats", type=int, default=7, help="timed runs (median taken)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    shapes = TINY if args.tiny else SHAPES
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# {name}, {dtype}, torch {torch.__version__}; microseconds per call "
+          f"(median of {args.repeats} x {args.iters} calls)")
+    results = {}
+    print(f"{'':28}" + "".join(f"{case:>10}" for case in shapes))
+    for impl_name, (impl, layout) in IMPLS.items():
+        row = {case: measure(case, shape, impl, layout, dtype, device, args.iters,
+                             args.repeats) for case, shape in shapes.items()}
+        results[impl_name] = row
+        print(f"{impl_name:28}" + "".join(f"{row[c]:10.1f}" for c in shapes), flush=True)
+    for impl_name in IMPLS:
+        if impl_name != "sdpa":
+            ratio = " ".join(f"{c} {results[impl_name][c] / results['sdpa'][c]:.2f}x"
+                             for c in shapes)
+            print(f"# {impl_name} / sdpa: {ratio}")
+    if args.out:
+        meta = {"device": name, "dtype": str(dtype), "torch": torch.__version__,
+                "commit": _commit(), "date": datetime.date.today().isoformat(),
+                "iters": args.iters, "repeats": args.repeats,
+                "shapes": {c: dict(zip(("B", "Hq", "Hkv", "Lq", "Lk", "D", "causal",
+                                        "backward"), s, strict=True))
+                           for c, s in shapes.items()}}
+        pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "us_per_call": results},
+                                                     indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

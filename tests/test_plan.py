@@ -1,0 +1,159 @@
+"""Call plans (tvm_flash.plan): made once per signature and reused, launched in the order
+their keys say, never reused across artifact sources; the eager and the custom-op doors;
+what scripts/build.py builds covers every plan."""
+
+import importlib.util
+import itertools
+import pathlib
+
+import pytest
+import torch
+from checks import make_inputs
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import tvm_flash
+from tvm_flash import KernelKey, artifacts, plan
+from tvm_flash.flash_attn import flash_attn_func
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def counters(monkeypatch):
+    """How many kernel keys are built, target tags looked up and kernels loaded."""
+    seen = {"keys": 0, "target_tags": 0, "loads": 0}
+    post_init = KernelKey.__post_init__
+
+    def counting_post_init(self):
+        seen["keys"] += 1
+        post_init(self)
+
+    def wrap(name, fn):
+        def counted(*args):
+            seen[name] += 1
+            return fn(*args)
+        return counted
+
+    monkeypatch.setattr(KernelKey, "__post_init__", counting_post_init)
+    monkeypatch.setattr(plan, "target_tag_for_device", wrap("target_tags",
+                                                            plan.target_tag_for_device))
+    monkeypatch.setattr(plan, "kernel", wrap("loads", plan.kernel))
+    return seen
+
+
+@pytest.mark.parametrize("lq", [1, 40])  # short-query and tiled plans
+def test_second_call_builds_no_key(lq, counters):
+    plan.clear()
+    q, k, v, do = make_inputs(2, 4, 2, lq, 50, 64, torch.float32, "cpu")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        tvm_flash.attention(*leaves, is_causal=True, enable_gqa=True).backward(do)
+        flash_attn_func(*(t.transpose(1, 2) for t in leaves), causal=True).sum().backward()
+
+    step()
+    assert counters["keys"] > 0 and counters["target_tags"] == 4 and counters["loads"] > 0
+    first = dict(counters)
+    step()
+    assert counters == first  # the second call reuses all four plans: no key, no lookup
+
+
+def test_launch_order_is_the_plans(monkeypatch):
+    """Every kernel a call launches, in order, is its plan's (the keys build.py builds)."""
+    launched = []
+    real = plan.kernel
+
+    def recording(key):
+        fn = real(key)
+
+        def launch(*args):
+            launched.append(key)
+            return fn(*args)
+        return launch
+
+    plan.clear()
+    monkeypatch.setattr(plan, "kernel", recording)
+    for lq, sinks in itertools.product((3, 30), (False, True)):
+        q, k, v, do = make_inputs(1, 4, 1, lq, 40, 64, torch.float32, "cpu")
+        s = torch.randn(4, requires_grad=True) if sinks else None
+        q.requires_grad_()
+        launched.clear()
+        tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True, sinks=s).backward(do)
+        short = lq <= plan.SHORT_QUERY_MAX
+        args = ("llvm", 64, "float32", "top-left", 4)
+        expected = (plan.forward_keys(*args, sinks=sinks, short=short)
+                    + plan.backward_keys(*args, short=short))
+        assert tuple(launched) == expected
+        assert set(expected) <= set(plan.call_keys(*args, sinks=sinks))
+    plan.clear()
+
+
+def test_plans_follow_the_artifact_source(tmp_path):
+    """A plan holds loaded kernels: after use_artifacts / allow_jit the next call loads again
+    (here: refuses, the directory is empty), never runs the earlier plan's kernels."""
+    q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 64, torch.float32, "cpu")
+    tvm_flash.attention(q, k, v)  # a plan from the just-in-time cache
+    try:
+        tvm_flash.use_artifacts(tmp_path)
+        tvm_flash.allow_jit(False)
+        with pytest.raises(artifacts.ArtifactError, match="no manifest.json"):
+            tvm_flash.attention(q, k, v)
+    finally:
+        tvm_flash.use_artifacts(None)
+        tvm_flash.allow_jit(None)
+    tvm_flash.attention(q, k, v)
+
+
+class _SeenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_dispatch_modes_see_the_custom_op():
+    """With a dispatch mode active the call goes through ``tvm_flash::fwd`` (the mode sees
+    it, as a tracer would); without one it skips the op's wrappers. Same result."""
+    q, k, v, _ = make_inputs(1, 2, 2, 20, 20, 64, torch.float32, "cpu")
+    eager = tvm_flash.attention(q, k, v, is_causal=True)
+    with _SeenOps() as mode:
+        traced = tvm_flash.attention(q, k, v, is_causal=True)
+    assert torch.ops.tvm_flash.fwd.default in mode.ops
+    assert torch.equal(eager, traced)
+
+
+def test_build_plan_covers_every_call_plan():
+    spec = importlib.util.spec_from_file_location("build_script", ROOT / "scripts" / "build.py")
+    build_script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build_script)
+    built = set(build_script.plan("cuda-sm_90", [64, 128], ["bfloat16"],
+                                  ["none", "bottom-right"], [1, 4], sinks=True))
+    for d, causal, g, sinks, short in itertools.product((64, 128), ("none", "bottom-right"),
+                                                        (1, 4), (False, True), (False, True)):
+        args = ("cuda-sm_90", d, "bfloat16", causal, g)
+        assert set(plan.forward_keys(*args, sinks=sinks, short=short)) <= built
+        assert set(plan.backward_keys(*args, short=short)) <= built
+    # per D: bwd_pre, dq_merge, fwd_merge with and without sinks; per (D, causal, group):
+    # fwd, dq, dkv, fwd_split, dq_split, dkv_packed and the forward with sinks
+    assert len(built) == 2 * 4 + 2 * 2 * 2 * 7
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_ffi_calls_run_on_torchs_current_stream():
+    """What the plan relies on instead of a stream context: tvm-ffi makes torch's current
+    stream the environment stream for a call that gets a CUDA tensor."""
+    import tvm_ffi
+
+    seen = []
+    probe = tvm_ffi.convert(lambda t: seen.append(
+        tvm_ffi.get_raw_stream(tvm_ffi.device("cuda", torch.cuda.current_device()))))
+    x = torch.empty(1, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        probe(x)
+    probe(x)
+    assert seen == [side.cuda_stream, torch.cuda.current_stream().cuda_stream]

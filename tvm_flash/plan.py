@@ -1,0 +1,217 @@
+"""Which kernels a call runs, in which order, on which workspaces: decided once per signature.
+
+A call's *signature* is what fixes the kernels it runs: device, dtype, head dim, causal mode,
+GQA group, sinks, short query or not, forward or backward. The first call of a signature
+builds its :class:`Plan` — kernel keys made and validated, the target tag of the device
+looked up, the kernels loaded, the device's parallel units counted — and the plan is cached;
+every later call of that signature does a dictionary lookup, arithmetic on its shapes and the
+launches. This module is also what ``scripts/build.py`` asks which kernels to build
+(:func:`call_keys`), so the launch sequence is written down once.
+
+Streams: a CUDA kernel runs on PyTorch's current stream without tvm-flash looking it up.
+tvm-ffi does that in C on every call that gets a CUDA ``torch.Tensor`` argument: it asks
+torch for the tensor's current stream (the DLPack exchange API's ``current_work_stream``, or
+``torch._C._cuda_getCurrentRawStream`` for an older torch), makes it the environment stream
+TVM's CUDA launches read for the duration of the call, and restores the previous one (tvm_ffi
+0.1.14 ``cython/function.pxi`` argument setters, ``tvm_ffi_python_helpers.h``). A
+``tvm_ffi.use_raw_stream`` context around the launches would be overridden by it, so there is
+none; CUDA-graph capture works because the capturing stream is the current one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+
+import torch
+
+from . import _schedules_path, artifacts
+from .artifacts import kernel
+from .key import KernelKey
+from .target import target_tag_for_device
+
+# ------------------------------------------------------------------- short-query policy
+
+SHORT_QUERY_MAX = 12
+"""Query lengths up to this take the short-query ("vector") kernels: tiles pack the queries
+of a GQA group (``PACKED_ROWS`` rows) and the keys are split over blocks. Longer ones take the
+tiled kernels. Set from the H200 crossover (docs/perf.md, "Short queries"): the short path is
+>= 2x faster through Lq = 12 at batch 1 and 8, and only breaks even with the tiled kernels at
+Lq = 16."""
+KEYS_PER_SPLIT_MIN = 256
+"""A key split is never shorter than this (fewer, longer splits merge cheaper)."""
+PACKED_ROWS = _schedules_path.load().PACKED_ROWS
+"""Rows of a short-query tile: the schedules' choice (``schedules.PACKED_ROWS``), read from
+there; it only sizes the grid in :func:`num_splits`."""
+
+
+def is_short(lq: int) -> bool:
+    """Whether ``lq`` queries take the short-query kernels."""
+    return lq <= SHORT_QUERY_MAX
+
+
+def num_splits(q, k, packed_rows: int, units: int) -> int:
+    """Key splits for the short-query kernels: enough blocks to fill ``units`` parallel units
+    (:func:`parallel_units`), but splits of at least ``KEYS_PER_SPLIT_MIN`` keys.
+    ``packed_rows``: the rows of a short-query tile."""
+    b, hq, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    blocks = b * hkv * math.ceil(hq // hkv * lq / packed_rows)
+    want = math.ceil(units / blocks)
+    return max(1, min(want, math.ceil(lk / KEYS_PER_SPLIT_MIN)))
+
+
+def parallel_units(device: torch.device) -> int:
+    """Blocks that keep ``device`` busy: two per SM on CUDA, one per thread on the CPU."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, torch.get_num_threads())
+
+
+def _partials(q, splits: int, *trailing):
+    """float32 workspace of shape ``(splits * B, Hq, Lq, *trailing)``."""
+    b, hq, lq, _ = q.shape
+    return torch.empty((splits * b, hq, lq, *trailing), dtype=torch.float32, device=q.device)
+
+
+# ------------------------------------------------------------- the kernels of each call
+
+
+def _fields(target, head_dim, dtype, causal, group):
+    """Key fields of a tiled kernel, and of a row-wise one (no causal mode, no group)."""
+    tiled = {"head_dim": head_dim, "dtype": dtype, "causal": causal, "group": group,
+             "target": target}
+    return tiled, {**tiled, "causal": "none", "group": 1}
+
+
+def forward_keys(target, head_dim, dtype, causal, group, *, sinks: bool,
+                 short: bool) -> tuple[KernelKey, ...]:
+    """The forward's kernels in launch order (see :meth:`Plan.forward`)."""
+    tiled, row_wise = _fields(target, head_dim, dtype, causal, group)
+    if short:  # per-split partial (O, max, sum), then their merge in split order (+ sinks)
+        return (KernelKey("fwd_split", **tiled),
+                KernelKey("fwd_merge", **row_wise, sinks=sinks))
+    return (KernelKey("fwd", **tiled, sinks=sinks),)
+
+
+def backward_keys(target, head_dim, dtype, causal, group, *,
+                  short: bool) -> tuple[KernelKey, ...]:
+    """The backward's kernels in launch order (see :meth:`Plan.backward`). Sinks change no
+    backward kernel (the forward's LSE includes them)."""
+    tiled, row_wise = _fields(target, head_dim, dtype, causal, group)
+    pre = KernelKey("bwd_pre", **row_wise)
+    if short:
+        return (pre, KernelKey("dq_split", **tiled), KernelKey("dq_merge", **row_wise),
+                KernelKey("dkv_packed", **tiled))
+    return pre, KernelKey("dq", **tiled), KernelKey("dkv", **tiled)
+
+
+def call_keys(target, head_dim, dtype, causal, group, *, sinks: bool = False) -> list[KernelKey]:
+    """Every kernel a call with these static facts may run: both paths (short and tiled),
+    forward and backward. What ``scripts/build.py`` builds."""
+    keys = []
+    for short in (False, True):
+        keys += forward_keys(target, head_dim, dtype, causal, group, sinks=sinks, short=short)
+        keys += backward_keys(target, head_dim, dtype, causal, group, short=short)
+    return keys
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+    """One signature's launch sequence: its kernels (keys and the loaded callables, in launch
+    order) and the facts that size its workspaces. Made by :func:`get`."""
+
+    keys: tuple[KernelKey, ...]
+    kernels: tuple
+    short: bool
+    units: int  # parallel units of the device (short path: sizes the key splits)
+    mps: bool  # TVM's Metal queue is not torch's: synchronise around the launches
+
+    @property
+    def ops(self) -> tuple[str, ...]:
+        return tuple(key.op for key in self.keys)
+
+    def forward(self, q, k, v, sink_arg, out, lse, scale: float) -> None:
+        """Fill ``out`` and ``lse``. Inputs in the kernels' layout, ``Lk > 0``; ``sink_arg``:
+        float32 ``(Hq,)``, ignored by kernels built without sinks."""
+        if self.mps:
+            torch.mps.synchronize()
+        if self.short:
+            split, merge = self.kernels
+            splits = num_splits(q, k, PACKED_ROWS, self.units)
+            o_part, m_part, l_part = (_partials(q, splits, q.shape[3]), _partials(q, splits),
+                                      _partials(q, splits))
+            split(q, k, v, o_part, m_part, l_part, scale)
+            merge(o_part, m_part, l_part, sink_arg, out, lse)
+        else:
+            (fwd,) = self.kernels
+            fwd(q, k, v, sink_arg, out, lse, scale)
+        if self.mps:
+            _metal_sync()
+
+    def backward(self, do, q, k, v, out, lse, delta, dq, dk, dv, scale: float) -> None:
+        """Fill ``delta`` (rowsum(dO * O)), ``dq``, ``dk`` and ``dv``. Non-empty inputs."""
+        if self.mps:
+            torch.mps.synchronize()
+        if self.short:
+            pre, dq_split, dq_merge, dkv = self.kernels
+            pre(out, do, delta)
+            dq_part = _partials(q, num_splits(q, k, PACKED_ROWS, self.units), q.shape[3])
+            dq_split(q, k, v, do, lse, delta, dq_part, scale)
+            dq_merge(dq_part, dq, scale)
+        else:
+            pre, dq_tiled, dkv = self.kernels
+            pre(out, do, delta)
+            dq_tiled(q, k, v, do, lse, delta, dq, scale)
+        dkv(q, k, v, do, lse, delta, dk, dv, scale)
+        if self.mps:
+            _metal_sync()
+
+
+def _metal_sync():
+    # (Not run yet: no Mac here; see README "Metal".)
+    import tvm
+
+    tvm.runtime.device("metal", 0).sync()
+
+
+# ----------------------------------------------------------------------------- the cache
+
+_plans: dict[tuple, Plan] = {}
+_lock = threading.Lock()
+
+
+def get(device: torch.device, dtype: torch.dtype, head_dim: int, causal: str, group: int,
+        sinks: bool, lq: int, backward: bool) -> Plan:
+    """The plan of a call (made on the first call of its signature). Arguments must already
+    be validated (``tvm_flash.ops.check_inputs``)."""
+    # A plan holds loaded kernels: where they come from (use_artifacts / allow_jit) is part
+    # of the signature, so switching the artifact directory or JIT never reuses a plan.
+    signature = (device, dtype, head_dim, causal, group, sinks and not backward, is_short(lq),
+                 backward, artifacts._state["dir"], artifacts._state["jit"])
+    found = _plans.get(signature)
+    return found if found is not None else _make(signature)
+
+
+def _make(signature: tuple) -> Plan:
+    device, dtype, head_dim, causal, group, sinks, short, backward = signature[:8]
+    with _lock:
+        if signature in _plans:
+            return _plans[signature]
+        target = target_tag_for_device(device)
+        if backward:
+            keys = backward_keys(target, head_dim, dtype, causal, group, short=short)
+        else:
+            keys = forward_keys(target, head_dim, dtype, causal, group, sinks=sinks,
+                                short=short)
+        found = Plan(keys, tuple(kernel(key) for key in keys), short, parallel_units(device),
+                     device.type == "mps")
+        _plans[signature] = found
+        return found
+
+
+def clear() -> None:
+    """Forget every plan (the next call of each signature makes it again)."""
+    with _lock:
+        _plans.clear()
