@@ -16,6 +16,7 @@ import tvm_ffi
 from .artifacts import kernel
 from .key import HEAD_DIMS, KernelKey
 from .layout import kernel_view as _dense
+from .layout import output_like
 from .target import target_tag_for_device
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -91,7 +92,7 @@ def _short(q) -> bool:
 def flash_forward(q, k, v, sinks, causal: str, scale: float):
     """Run the forward kernels: returns ``(out, lse)``. Inputs must already be validated;
     ``sinks`` is None or a float32 ``(Hq,)`` tensor."""
-    out = q.new_empty(q.shape)
+    out = output_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -128,7 +129,7 @@ def sink_gradient(sinks, lse, delta):
 def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
     """Run preprocess, dQ and dK/dV: returns ``(dq, dk, dv, dsinks)``; dsinks is zeros of
     shape (Hq,) without sinks."""
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dq, dk, dv = output_like(q), output_like(k), output_like(v)
     dsinks = lse.new_zeros(q.shape[1])
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), dsinks
@@ -159,10 +160,10 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tens
     return flash_forward(_dense(q), _dense(k), _dense(v), sinks, causal, scale)
 
 
-# Fakes return contiguous tensors, as the real ops do whatever the input strides are.
+# Fakes allocate like the real ops (layout.output_like), so their strides agree.
 @_fwd_op.register_fake
 def _(q, k, v, sinks, causal, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tvm_flash::bwd", mutates_args=())
@@ -175,8 +176,7 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_bwd_op.register_fake
 def _(do, q, k, v, out, lse, sinks, causal, scale):
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            lse.new_empty(q.shape[1]))
+    return output_like(q), output_like(k), output_like(v), lse.new_empty(q.shape[1])
 
 
 def _setup_context(ctx, inputs, output):
@@ -279,9 +279,12 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
         output and gradients are zero).
 
     q, k, v are float16, bfloat16 or float32 on one CPU or CUDA device; D is one of
-    ``tvm_flash.HEAD_DIMS``. Accumulation is float32. Non-contiguous inputs are copied to a
-    contiguous layout first, as are tensors whose data is not 16-byte aligned. The backward
-    is deterministic (no atomics).
+    ``tvm_flash.HEAD_DIMS``. Accumulation is float32. q, k, v (and the gradient of out) are
+    read where they lie when their last dimension is contiguous and every row starts 16-byte
+    aligned — in particular ``(B, L, H, D)`` storage viewed as ``(B, H, L, D)``; other layouts
+    are copied first (``tvm_flash.layout``). ``out`` and the gradients come back in torch
+    SDPA's layout: ``out`` like q, each gradient like its input. The backward is
+    deterministic (no atomics).
     """
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment: {causal_alignment!r} is not one of "
