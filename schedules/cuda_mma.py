@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_flash.kernels.common import (
@@ -45,6 +46,7 @@ from tvm_flash.kernels.common import (
     neg_inf,
     num_key_tiles,
     row_lse,
+    strides,
     visible,
 )
 from tvm_flash.key import KernelKey
@@ -140,11 +142,16 @@ class _Fragments:
             for it in T.unroll(rows * vrow // threads):
                 row = T.meta_var((it * threads + tx) // vrow)
                 col = T.meta_var((it * threads + tx) % vrow * VEC)
+                # (asynchronous) the source offset computed outside the branch: nvcc then adds
+                # the row stride to the previous copy's instead of multiplying per copy
+                at = T.alloc_buffer((1,), "int64", scope="local")
+                if asynchronous:
+                    at[0] = src.offset_of([b, h, start + row, col])[0]
                 if start + row < length:
                     if asynchronous:
                         T.ptx.cp.async_.cg.shared.global_(
                             dst.access_ptr("w", offset=(base + row) * stride + col),
-                            T.address_of(src[b, h, start + row, col]), 16)
+                            src.access_ptr("r", offset=at[0]), 16)
                     else:
                         for v in T.vectorized(VEC):
                             dst[base + row, col + v] = src[b, h, start + row, col + v]
@@ -281,6 +288,25 @@ class _Fragments:
         self.ready = _ready(tile.stages)
 
 
+def _vector_rows(buf):
+    """``buf`` (a strided ``(B, H, L, D)`` argument) declared with strides that are visibly
+    multiples of ``VEC``: only then does TVM's CUDA codegen emit the 16-byte (and 4-byte)
+    vector copies of a row (``ramp`` loads and stores whose base it cannot prove aligned
+    become one scalar access per element). ``s // VEC * VEC`` is ``s`` wherever it matters:
+    :func:`_require_vector_rows` refuses other strides."""
+    return T.decl_buffer(buf.shape, buf.dtype, data=buf.data,
+                         strides=[s // VEC * VEC for s in buf.strides[:3]] + [1])
+
+
+def _require_vector_rows(name: str, *bufs):
+    """Host check of kernel ``name``: every stride of ``bufs`` but the last is a multiple of
+    ``VEC`` (or its dimension is 1), as ``tvm_flash.layout.kernel_view`` passes them."""
+    ok = [T.Or(buf.strides[i] % VEC == 0, buf.shape[i] == 1) for buf in bufs for i in range(3)]
+    return T.Assert(tirx.all(*ok), f"{name}: the batch, head and row strides of every "
+                    f"(B, H, L, D) tensor must be multiples of {VEC} elements (16 bytes); "
+                    "tvm_flash.layout.kernel_view copies tensors with others", "ValueError")
+
+
 def _lane_row(i, n: int):
     """Which of its ``2 mt`` rows a lane's element ``i`` of a (16 mt x 8 n) accumulator is in:
     ``2 mi + r`` for m-tile ``mi`` and row ``g + 8 r`` of it."""
@@ -405,12 +431,17 @@ def flash_forward(key: KernelKey, tile: MmaTile):
                   o_h: T.handle, lse_h: T.handle, scale: T.float32):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
-        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
-        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
-        O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype)
+        Q_in = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
+        K_in = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
+        V_in = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
+        O_in = T.match_buffer(o_h, (B, Hq, Lq, D), dtype, strides=strides("o"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Sinks = T.match_buffer(sinks_h, (Hq,), F32)
+        _require_vector_rows("flash_fwd", Q_in, K_in, V_in, O_in)
+        Q = _vector_rows(Q_in)
+        K = _vector_rows(K_in)
+        V = _vector_rows(V_in)
+        O = _vector_rows(O_in)
         nqt = T.meta_var(T.ceildiv(Lq, BQ))
         bx = T.launch_thread("blockIdx.x", B * Hq * nqt)
         tx = T.launch_thread("threadIdx.x", NT)
@@ -524,13 +555,19 @@ def flash_dq(key: KernelKey, tile: MmaTile):
                  delta_h: T.handle, dq_h: T.handle, scale: T.float32):
         T.func_attr({"global_symbol": "flash_dq", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
-        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
-        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
-        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype)
+        Q_in = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
+        K_in = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
+        V_in = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
+        dO_in = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=strides("do"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
-        dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype)
+        dQ_in = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype, strides=strides("dq"))
+        _require_vector_rows("flash_dq", Q_in, K_in, V_in, dO_in, dQ_in)
+        Q = _vector_rows(Q_in)
+        K = _vector_rows(K_in)
+        V = _vector_rows(V_in)
+        dO = _vector_rows(dO_in)
+        dQ = _vector_rows(dQ_in)
         nqt = T.meta_var(T.ceildiv(Lq, BQ))
         bx = T.launch_thread("blockIdx.x", B * Hq * nqt)
         tx = T.launch_thread("threadIdx.x", NT)
@@ -629,14 +666,21 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
                   scale: T.float32):
         T.func_attr({"global_symbol": "flash_dkv", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
-        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
-        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
-        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype)
+        Q_in = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
+        K_in = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
+        V_in = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
+        dO_in = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=strides("do"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
-        dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype)
-        dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype)
+        dK_in = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype, strides=strides("dk"))
+        dV_in = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype, strides=strides("dv"))
+        _require_vector_rows("flash_dkv", Q_in, K_in, V_in, dO_in, dK_in, dV_in)
+        Q = _vector_rows(Q_in)
+        K = _vector_rows(K_in)
+        V = _vector_rows(V_in)
+        dO = _vector_rows(dO_in)
+        dK = _vector_rows(dK_in)
+        dV = _vector_rows(dV_in)
         nkt = T.meta_var(T.ceildiv(Lk, BK))
         bx = T.launch_thread("blockIdx.x", B * Hkv * nkt)
         tx = T.launch_thread("threadIdx.x", NT)

@@ -10,7 +10,13 @@ FLOPs counted (printed with the results):
     causal    half of the above
 Times are medians (triton.testing.do_bench when triton is present, else CUDA events).
 
+--layouts picks how q, k, v and dout lie in memory: ``bhld`` contiguous (B, H, L, D) tensors,
+``blhd`` (B, L, H, D) storage viewed as (B, H, L, D) by ``.transpose(1, 2)``, as a model's QKV
+projection hands them to attention.
+
     python scripts/bench.py --dtypes bf16 --head-dims 64,128 --seqlens 1024,4096 --causal both
+    python scripts/bench.py --dtypes bf16 --head-dims 128 --seqlens 4096 --causal yes \
+        --layouts bhld,blhd --backends tvm-flash,flash
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import tvm_flash  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MODES = ("fwd", "bwd", "fwd+bwd")
+LAYOUTS = ("bhld", "blhd")
 FLOP_FORMULA = ("fwd = 4*B*Hq*N^2*D; bwd = 2.5*fwd; fwd+bwd = 3.5*fwd; causal halves each")
 
 
@@ -55,6 +62,13 @@ def _ours(q, k, v, causal):
 
 BACKENDS = {"tvm-flash": _ours, "flash": _sdpa("flash"), "cudnn": _sdpa("cudnn"),
             "efficient": _sdpa("efficient")}
+
+
+def _tensor(b, h, n, d, dtype, layout):
+    """A (B, H, N, D) tensor: contiguous (``bhld``) or a view of (B, N, H, D) storage."""
+    if layout == "blhd":
+        return torch.randn(b, n, h, d, dtype=dtype, device="cuda").transpose(1, 2)
+    return torch.randn(b, h, n, d, dtype=dtype, device="cuda")
 
 
 def _time_ms(fn, reps: int) -> float:
@@ -133,6 +147,8 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=2048, help="Hq * D (query heads from D)")
     p.add_argument("--gqa", default="1", help="comma list of Hq/Hkv ratios, e.g. 1,8")
     p.add_argument("--causal", default="both", choices=["no", "yes", "both"])
+    p.add_argument("--layouts", default="bhld",
+                   help="comma list of bhld (contiguous), blhd ((B, L, H, D) viewed (B, H, L, D))")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help=f"comma list of {', '.join(BACKENDS)}")
     p.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement")
@@ -146,25 +162,30 @@ def main(argv=None):
 
     causals = {"no": [False], "yes": [True], "both": [False, True]}[args.causal]
     backends = args.backends.split(",")
+    layouts = args.layouts.split(",")
+    for name in layouts:
+        if name not in LAYOUTS:
+            sys.exit(f"--layouts: unknown layout {name!r}; use {', '.join(LAYOUTS)}")
     for name in backends:
         if name not in BACKENDS:
             sys.exit(f"--backends: unknown backend {name!r}; use {', '.join(BACKENDS)}")
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  commit {_commit()}")
     print(f"FLOPs: {FLOP_FORMULA}")
-    header = f"{'dtype':5} {'D':>4} {'N':>6} {'B':>3} {'Hq':>3} {'Hkv':>3} {'causal':6} {'mode':8}"
+    header = (f"{'dtype':5} {'D':>4} {'N':>6} {'B':>3} {'Hq':>3} {'Hkv':>3} {'layout':6} "
+              f"{'causal':6} {'mode':8}")
     print(header + "".join(f" {b:>11}" for b in backends) + "   (TFLOP/s)")
     rows = []
     for dname in args.dtypes.split(","):
         dtype = DTYPES[dname]
         for d in map(int, args.head_dims.split(",")):
             for ratio in map(int, args.gqa.split(",")):
-                for n in map(int, args.seqlens.split(",")):
+                for n, layout in itertools.product(map(int, args.seqlens.split(",")), layouts):
                     b, hq = max(1, args.tokens // n), args.hidden // d
                     hkv = hq // ratio
-                    q = torch.randn(b, hq, n, d, dtype=dtype, device="cuda")
-                    k = torch.randn(b, hkv, n, d, dtype=dtype, device="cuda")
-                    v = torch.randn(b, hkv, n, d, dtype=dtype, device="cuda")
-                    do = torch.randn_like(q)
+                    q = _tensor(b, hq, n, d, dtype, layout)
+                    k = _tensor(b, hkv, n, d, dtype, layout)
+                    v = _tensor(b, hkv, n, d, dtype, layout)
+                    do = torch.randn_like(q)  # q's strides: the gradient of a blhd output
                     for causal in causals:
                         res = {}
                         for name in backends:
@@ -178,8 +199,8 @@ def main(argv=None):
                             f = flops(mode, b, hq, n, d, causal)
                             cells, row = [], {
                                 "dtype": dname, "D": d, "N": n, "B": b, "Hq": hq, "Hkv": hkv,
-                                "causal": causal, "mode": mode, "flops": f, "ms": {},
-                                "tflops": {}, "peak_bytes": {}}
+                                "layout": layout, "causal": causal, "mode": mode, "flops": f,
+                                "ms": {}, "tflops": {}, "peak_bytes": {}}
                             for name in backends:
                                 if res[name] is None:
                                     cells.append(f" {'n/a':>11}")
@@ -190,11 +211,11 @@ def main(argv=None):
                                 row["peak_bytes"][name] = res[name][1]
                                 cells.append(f" {f / ms / 1e9:11.1f}")
                             rows.append(row)
-                            print(f"{dname:5} {d:4} {n:6} {b:3} {hq:3} {hkv:3} "
+                            print(f"{dname:5} {d:4} {n:6} {b:3} {hq:3} {hkv:3} {layout:6} "
                                   f"{str(causal):6} {mode:8}" + "".join(cells), flush=True)
                         mem = "  ".join(f"{nm} {res[nm][1] / 2**20:.0f} MiB" for nm in backends
                                         if res[nm] is not None)
-                        print(f"{'':44}peak fwd+bwd memory: {mem}")
+                        print(f"{'':51}peak fwd+bwd memory: {mem}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -206,7 +227,8 @@ def main(argv=None):
 
 
 def _plot(rows, backends, out):
-    """One panel per (dtype, D, GQA) x causal; colour = backend, solid = fwd, dashed = bwd."""
+    """One panel per (dtype, D, GQA, layout) x causal; colour = backend, solid = fwd, dashed =
+    bwd."""
     try:
         import matplotlib
 
@@ -215,7 +237,10 @@ def _plot(rows, backends, out):
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    panel_rows = sorted({(r["dtype"], r["D"], r["Hq"] // r["Hkv"]) for r in rows})
+    def panel(r):
+        return r["dtype"], r["D"], r["Hq"] // r["Hkv"], r.get("layout", "bhld")
+
+    panel_rows = sorted({panel(r) for r in rows})
     causals = sorted({r["causal"] for r in rows})
     fig, axes = plt.subplots(len(panel_rows), len(causals), squeeze=False, sharey=True,
                              figsize=(4.5 * len(causals), 2.6 * len(panel_rows)))
@@ -225,13 +250,14 @@ def _plot(rows, backends, out):
         ax = axes[i, j]
         for name, mode in itertools.product(backends, ("fwd", "bwd")):
             pts = sorted((r["N"], r["tflops"][name]) for r in rows
-                         if (r["dtype"], r["D"], r["Hq"] // r["Hkv"]) == prow
+                         if panel(r) == prow
                          and r["causal"] == causal and r["mode"] == mode and name in r["tflops"])
             if pts:
                 ax.plot(*zip(*pts, strict=True), color=colors[name], marker=".",
                         linestyle="-" if mode == "fwd" else "--", label=f"{name} {mode}")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{prow[0]} D={prow[1]} gqa={prow[2]} causal={causal}", fontsize=9)
+        ax.set_title(f"{prow[0]} D={prow[1]} gqa={prow[2]} {prow[3]} causal={causal}",
+                     fontsize=9)
         ax.set_ylabel("TFLOP/s")
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=6, ncol=2)

@@ -49,9 +49,10 @@ def check_against_reference(q, k, v, do, causal, *, scale=None, enable_gqa=True,
     """
     dtype = q.dtype
     is_causal = causal != "none"
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    # detach, not clone: the leaves keep the caller's strides and data pointer (layout tests)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     if sinks is not None:
-        leaves.append(sinks.clone().requires_grad_())
+        leaves.append(sinks.detach().requires_grad_())
     out, lse = attention(*leaves[:3], is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                          causal_alignment=causal if is_causal else "top-left",
                          sinks=leaves[3] if sinks is not None else None, return_lse=True)

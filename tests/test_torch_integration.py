@@ -19,7 +19,7 @@ def _qkv(device, dtype=torch.float32, lq=40, lk=40, hq=4, hkv=2, d=64):
 def test_opcheck(device):
     q, k, v = _qkv(device)
     sinks = torch.randn(4, device=device, requires_grad=True)
-    # non-contiguous q, as a fused qkv projection gives it: outputs are contiguous in both the
+    # non-contiguous q, as a fused qkv projection gives it: out takes q's layout in both the
     # real and the fake op
     q_view = torch.randn(2, 40, 4, 64, device=device).transpose(1, 2).requires_grad_()
     torch.library.opcheck(torch.ops.tvm_flash.fwd.default, (q_view, k, v, None, "none", 0.1))

@@ -21,7 +21,7 @@ import torch
 
 from . import plan
 from .key import HEAD_DIMS
-from .layout import kernel_view
+from .layout import kernel_view, output_like
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
@@ -32,7 +32,7 @@ def flash_forward(q, k, v, sinks, causal: str, scale: float):
     in the kernels' layout (:func:`tvm_flash.layout.kernel_view`); ``sinks`` is None or a
     float32 ``(Hq,)`` tensor."""
     b, hq, lq, d = q.shape
-    out = q.new_empty((b, hq, lq, d))
+    out = output_like(q)
     lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -68,7 +68,7 @@ def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
     """Run preprocess, dQ and dK/dV: returns ``(dq, dk, dv, dsinks)``; dsinks is zeros of
     shape (Hq,) without sinks. Tensors in the kernels' layout, ``lse`` contiguous."""
     b, hq, lq, d = q.shape
-    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    dq, dk, dv = output_like(q), output_like(k), output_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), lse.new_zeros(hq)
     run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], False, lq, True)
@@ -97,10 +97,10 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tens
     return flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal, scale)
 
 
-# Fakes return contiguous tensors, as the real ops do whatever the input strides are.
+# Fakes allocate like the real ops (layout.output_like), so their strides agree.
 @_fwd_op.register_fake
 def _(q, k, v, sinks, causal, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tvm_flash::bwd", mutates_args=())
@@ -113,8 +113,7 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @_bwd_op.register_fake
 def _(do, q, k, v, out, lse, sinks, causal, scale):
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
-            lse.new_empty(q.shape[1]))
+    return output_like(q), output_like(k), output_like(v), lse.new_empty(q.shape[1])
 
 
 def _setup_context(ctx, inputs, output):
@@ -266,9 +265,12 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
         output and gradients are zero).
 
     q, k, v are float16, bfloat16 or float32 on one CPU or CUDA device; D is one of
-    ``tvm_flash.HEAD_DIMS``. Accumulation is float32. Non-contiguous inputs are copied to a
-    contiguous layout first, as are tensors whose data is not 16-byte aligned. The backward
-    is deterministic (no atomics).
+    ``tvm_flash.HEAD_DIMS``. Accumulation is float32. q, k, v (and the gradient of out) are
+    read where they lie when their last dimension is contiguous and every row starts 16-byte
+    aligned — in particular ``(B, L, H, D)`` storage viewed as ``(B, H, L, D)``; other layouts
+    are copied first (``tvm_flash.layout``). ``out`` and the gradients come back in torch
+    SDPA's layout: ``out`` like q, each gradient like its input. The backward is
+    deterministic (no atomics).
     """
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment: {causal_alignment!r} is not one of "

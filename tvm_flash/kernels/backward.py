@@ -47,6 +47,7 @@ from .common import (
     plain,
     split_size,
     store_tile,
+    strides,
     transposed,
     visible,
 )
@@ -93,8 +94,8 @@ def flash_bwd_preprocess(head_dim: int, dtype: str, tile: TileConfig):
     def flash_bwd_pre(o_h: T.handle, do_h: T.handle, delta_h: T.handle):
         T.func_attr({"global_symbol": "flash_bwd_pre", "tirx.noalias": True})
         B, H, L = T.int64(), T.int64(), T.int64()
-        O = T.match_buffer(o_h, (B, H, L, D), dtype)
-        dO = T.match_buffer(do_h, (B, H, L, D), dtype)
+        O = T.match_buffer(o_h, (B, H, L, D), dtype, strides=strides("o"))
+        dO = T.match_buffer(do_h, (B, H, L, D), dtype, strides=strides("do"))
         Delta = T.match_buffer(delta_h, (B, H, L), f32)
         for b, h, i, d in T.grid(B, H, L, D):
             with T.sblock("delta"):
@@ -180,13 +181,13 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
     ):
         T.func_attr({"global_symbol": "flash_dq", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
-        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
-        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
-        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype)
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
+        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=strides("do"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
-        dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype)
+        dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype, strides=strides("dq"))
 
         for b, h, qt in T.grid(B, Hq, T.ceildiv(Lq, BQ)):
             with T.sblock("tile"):
@@ -224,10 +225,10 @@ def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: Til
     ):
         T.func_attr({"global_symbol": "flash_dq_split", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk, BS = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
-        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
-        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
-        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype)
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
+        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=strides("do"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
         dQpart = T.match_buffer(part_h, (BS, Hq, Lq, D), f32)
@@ -260,7 +261,7 @@ def flash_dq_merge(head_dim: int, dtype: str):
         T.func_attr({"global_symbol": "flash_dq_merge", "tirx.noalias": True})
         B, Hq, Lq, BS = T.int64(), T.int64(), T.int64(), T.int64()
         dQpart = T.match_buffer(part_h, (BS, Hq, Lq, D), f32)
-        dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype)
+        dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype, strides=strides("dq"))
         for b, h, i, d in T.grid(B, Hq, Lq, D):
             with T.sblock("merge"):
                 vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, d])
@@ -303,14 +304,14 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
     ):
         T.func_attr({"global_symbol": "flash_dkv", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
-        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
-        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
-        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype)
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
+        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=strides("do"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
-        dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype)
-        dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype)
+        dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype, strides=strides("dk"))
+        dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype, strides=strides("dv"))
 
         for b, hk, kt in T.grid(B, Hkv, T.ceildiv(Lk, BK)):
             with T.sblock("tile"):

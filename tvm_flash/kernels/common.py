@@ -2,8 +2,9 @@
 
 Conventions used by all kernels
 -------------------------------
-* Layout ``(B, H, L, D)`` as torch SDPA; ``Hq = group * Hkv`` and query head ``h`` reads
-  key/value head ``h // group``.
+* Layout ``(B, H, L, D)`` as torch SDPA, with any batch, head and row strides and a contiguous
+  last dimension (:func:`strides`); ``Hq = group * Hkv`` and query head ``h`` reads key/value
+  head ``h // group``.
 * Scores live in base-2 units: ``s2 = (q . k) * scale * log2(e)``, so softmax uses ``exp2``.
 * ``LSE`` is stored in natural-log units (``logsumexp`` of ``(q . k) * scale`` over visible
   keys); a row that sees no key has ``LSE = -inf``, ``O = 0`` and zero gradients.
@@ -73,6 +74,20 @@ class Rows:
 
 
 TILED = Rows()
+
+
+def strides(name: str) -> list:
+    """``T.match_buffer(..., strides=strides("q"))``: a ``(B, H, L, D)`` tensor with any
+    batch, head and row strides and a contiguous last dimension.
+
+    Models hand attention ``(B, L, H, D)`` storage viewed as ``(B, H, L, D)``; with symbolic
+    strides the kernels read (and write) such views where they lie instead of needing a copy.
+    The three strides become int64 parameters named ``<name>_stride_{b,h,l}`` (int64 as the
+    shapes: an index ``b * sb + h * sh + l * sl + d`` may pass 2**31 elements); the host code
+    binds them from the DLTensor (or, where its strides are NULL, the compact ones) and
+    checks the last stride is 1. Which views the binding passes as they are is
+    ``tvm_flash.layout.kernel_view``'s rule (16-byte aligned rows)."""
+    return [f"{name}_stride_{axis}" for axis in "bhl"] + [1]
 
 
 def neg_inf():

@@ -42,6 +42,7 @@ from .common import (
     row_lse,
     split_size,
     store_tile,
+    strides,
     transposed,
     visible,
 )
@@ -175,10 +176,10 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
     ):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
-        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
-        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
-        O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype)
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
+        O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype, strides=strides("o"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
         Sinks = T.match_buffer(sinks_h, (Hq,), f32)
 
@@ -235,9 +236,9 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
     ):
         T.func_attr({"global_symbol": "flash_fwd_split", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk, BS = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype)
-        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype)
-        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype)
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
         Opart = T.match_buffer(o_h, (BS, Hq, Lq, D), f32)
         Mpart = T.match_buffer(m_h, (BS, Hq, Lq), f32)
         Lpart = T.match_buffer(l_h, (BS, Hq, Lq), f32)
@@ -291,7 +292,7 @@ def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):
         Mpart = T.match_buffer(m_part_h, (BS, Hq, Lq), f32)
         Lpart = T.match_buffer(l_part_h, (BS, Hq, Lq), f32)
         Sinks = T.match_buffer(sinks_h, (Hq,), f32)
-        O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype)
+        O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype, strides=strides("o"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
 
         for b, h, i, d in T.grid(B, Hq, Lq, D):
