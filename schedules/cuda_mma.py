@@ -98,6 +98,9 @@ class MmaTile:
                                or head_dim // self.split % 16):
             raise ValueError(f"mma tile {self}: split {self.split} must divide the warps, and "
                              f"leave multiples of 16 of the step and of D={head_dim}")
+        if self.split > 1 and 2 * self.rows * (self.step + ROW_PAD) * 2 > 48 * 1024:
+            raise ValueError(f"mma tile {self}: P^T and dS^T of a step exceed the 48 KiB of "
+                             f"static shared memory")
 
     def smem_bytes(self, op: str, head_dim: int) -> int:
         """Shared memory of ``op``'s kernel with this tile (all of it dynamic)."""
@@ -171,7 +174,12 @@ lane and m-tile (128 at D = 256). dK/dV splits the head dim over two warps
 (``MmaTile.split``): unsplit, its dK and dV sums would take ``D`` registers per lane. Q stays
 in shared memory (the forward's Q-in-registers path would add ``D / 4`` per m-tile).
 FlashAttention-2 runs D = 256 on the same instruction with a 128 x 64 forward tile of 8 warps
-and 64 x 64 backward tiles of 8 warps."""
+and 64 x 64 backward tiles of 8 warps. Not yet measured: ``scripts/sweep_mma.py`` times these
+against other candidates.
+
+ptxas (nvcc 13.0, the chosen tile of every D 160-256 x fp16/bf16 key, top-left, sm_80 and
+sm_90): no spills; registers fwd 209-245, dQ 166-249, dK/dV 170-244 (D 160: 209-217 / 166-172
+/ 176-177; D 256: 234-241 / 245-249 / 232-243)."""
 
 
 class _Fragments:

@@ -89,7 +89,11 @@ def build(job: dict) -> dict:
     except ValueError as e:  # the tile does not fit: reported, not built
         out["error"] = f"refused: {e}"
         return out
-    built = compile_module(key, tvm.IRModule({"main": func}))
+    try:
+        built = compile_module(key, tvm.IRModule({"main": func}))
+    except Exception as e:  # noqa: BLE001 - reported in the table, the sweep goes on
+        out["error"] = f"lowering failed: {type(e).__name__}: {str(e)[-300:]}"
+        return out
     src = device_source(built)
     safe = job["tile"].replace("/", "s").replace(":", "st")
     stem = pathlib.Path(job["dir"]) / f"{key.name}-{safe}"
@@ -312,7 +316,10 @@ def main(argv=None):
                 for op in ops:
                     for group in (1, 2):  # timing and MHA checks; the GQA check
                         key = KernelKey(op, d, DTYPES[dt], causal, group, f"cuda-{args.arch}")
-                        chosen = cuda_mma.tile(key) if cuda_mma.supports(key) else None
+                        try:
+                            chosen = cuda_mma.tile(key) if cuda_mma.supports(key) else None
+                        except ValueError:  # no tile fits this arch
+                            chosen = None
                         for t in dict.fromkeys(tiles[op] + ([chosen] if chosen else [])):
                             jobs.append({"key": {"op": op, "head_dim": d, "dtype": DTYPES[dt],
                                                  "causal": causal, "group": group,
