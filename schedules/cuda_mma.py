@@ -24,7 +24,11 @@ Per kernel (``W`` warps of 32 lanes and ``mt`` m-tiles, ``16 mt W`` rows per blo
 * dK/dV's two pairs of independent products (S^T and dP^T, then dV and dK) each run in one
   loop, two chains of MMAs for the scheduler to interleave;
 * the forward's row max and sum are balanced trees over a lane's elements, its exponent one
-  FMA (scale and log2(e) folded), and the -inf guards are per row, not per element.
+  FMA (scale and log2(e) folded), and the -inf guards are per row, not per element;
+* head dims 160-256 (:data:`LARGE_D_TILES`): one m-tile per warp, Q read from shared memory,
+  and dK/dV with the head dim split over two warps that share one step's P^T and dS^T through
+  shared memory (``MmaTile.split``); the tiles take up to 217 KiB of shared memory (sm_90),
+  less where the arch allows less.
 
 Registers (ptxas, sm_90; docs/journal/perf-history.md v6, v7): at most 255, a few spilled bytes
 where measured faster (see :func:`tile`).
@@ -56,7 +60,10 @@ F32 = "float32"
 VEC = 8  # 16-bit elements per 16-byte copy
 ROW_PAD = 8  # elements of padding per shared row (16 bytes)
 OPS = ("fwd", "dq", "dkv")
-HEAD_DIMS = (32, 64, 96, 128)  # beyond 128 the running sums outgrow the registers
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+SMEM_LIMIT = {80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227, 120: 99, 121: 99}
+"""Dynamic shared memory a block may opt into, KiB, per compute capability (CUDA programming
+guide, "Technical specifications"); an arch not listed is given the smallest, 99."""
 _PTX = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -65,27 +72,49 @@ class MmaTile:
     """A warp-level tile: ``warps`` warps of ``16 * mtiles`` rows own ``rows`` rows (queries
     for forward and dQ, keys for dK/dV); ``step`` rows of the other side per loop step;
     ``stages`` shared-memory buffers for the walked tiles. A warp with two m-tiles feeds each B
-    fragment it loads to two MMAs, halving the ``ldmatrix`` traffic per MMA."""
+    fragment it loads to two MMAs, halving the ``ldmatrix`` traffic per MMA.
+
+    ``split`` (dK/dV only): that many warps share one group of ``16 * mtiles`` keys
+    (FlashAttention-2's layout). Each computes S^T and dP^T for ``step / split`` of the step's
+    queries over the whole head dim and puts its P^T and dS^T in shared memory; after a barrier
+    each takes the whole step's P^T and dS^T for its ``head_dim / split`` columns of dK and dV.
+    That divides the dK and dV sums, ``2 * 16 mtiles * head_dim / 32`` registers per lane (256
+    at D = 256), by ``split`` without computing anything twice."""
 
     warps: int
     step: int
     stages: int = 2
     mtiles: int = 1
+    split: int = 1
 
     @property
     def rows(self) -> int:
-        return 16 * self.mtiles * self.warps
+        return 16 * self.mtiles * self.warps // self.split
 
     def check(self, head_dim: int) -> None:
-        """Refuse a tile whose copies do not divide over the threads (each thread copies whole
-        16-byte vectors)."""
-        threads = self.warps * WARP
+        """Refuse a tile whose parts are not whole ``m16n8k16`` tiles."""
         if self.step % 16:
             raise ValueError(f"mma tile {self}: the step must be a multiple of 16 rows")
-        for rows in (self.rows, self.step):
-            if rows * head_dim // VEC % threads:
-                raise ValueError(f"mma tile {self}: {rows} rows of D={head_dim} do not divide "
-                                 f"over {threads} threads in 16-byte copies")
+        if self.split > 1 and (self.warps % self.split or self.step // self.split % 16
+                               or head_dim // self.split % 16):
+            raise ValueError(f"mma tile {self}: split {self.split} must divide the warps, and "
+                             f"leave multiples of 16 of the step and of D={head_dim}")
+        if self.split > 1 and 2 * self.rows * (self.step + ROW_PAD) * 2 > 48 * 1024:
+            raise ValueError(f"mma tile {self}: P^T and dS^T of a step exceed the 48 KiB of "
+                             f"static shared memory")
+
+    def smem_bytes(self, op: str, head_dim: int) -> int:
+        """Shared memory of ``op``'s kernel with this tile (all of it dynamic)."""
+        row = (head_dim + ROW_PAD) * 2
+        if op == "fwd":  # Q; K and V stages
+            return (self.rows + 2 * self.stages * self.step) * row
+        if op == "dq":  # Q and dO; K and V stages
+            return (2 * self.rows + 2 * self.stages * self.step) * row
+        # K and V; Q and dO stages, their LSE and Delta; split: P^T and dS^T of a step
+        shared = (2 * self.rows + 2 * self.stages * self.step) * row + self.stages * self.step * 8
+        if self.split > 1:
+            shared += 2 * self.rows * (self.step + ROW_PAD) * 2
+        return shared
 
     def tile_config(self, op: str) -> TileConfig:
         """As a (block_q, block_k) :class:`TileConfig` (names artifacts and tuning logs)."""
@@ -114,15 +143,46 @@ def tile(key: KernelKey) -> MmaTile:
       queries a step (v7, with S^T/dP^T and dV/dK each in one loop: +6-12% over one m-tile);
       splitting D over two warps with P and dS through shared memory (FlashAttention-2's
       layout) measured +0.5-2% at D = 128 (noise) and -5-35% at D = 64 (v7), so it is not done;
-    * two stages (three measured from +1% to -38%, and for dK/dV from +1% to -20%).
+    * two stages (three measured from +1% to -38%, and for dK/dV from +1% to -20%);
+    * D > 128: :data:`LARGE_D_TILES`.
 
     Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 40,
     docs/journal/perf-history.md v6, v7); they measured faster than every spill-free alternative."""
     d, op = key.head_dim, key.op
+    if d > 128:
+        for candidate in LARGE_D_TILES[op]:
+            if candidate.smem_bytes(op, d) <= _smem_limit(key):
+                return candidate
+        raise ValueError(f"{key.name}: no mma tile of D={d} fits the {_smem_limit(key)} bytes "
+                         f"of shared memory of {key.target}")
     if op == "dkv":
         return MmaTile(warps=8, step=64) if d > 64 else MmaTile(warps=4, step=32, mtiles=2)
     wide = d <= 64 or (op == "fwd" and d == 128 and key.dtype == "bfloat16")
     return MmaTile(warps=4, step=64 if wide else 32, mtiles=2)
+
+
+_chosen_tile = tile  # for kernel(), whose override argument is named tile
+
+
+LARGE_D_TILES = {
+    "fwd": (MmaTile(warps=8, step=64), MmaTile(warps=8, step=32), MmaTile(warps=4, step=32)),
+    "dq": (MmaTile(warps=8, step=32), MmaTile(warps=4, step=32), MmaTile(warps=4, step=16)),
+    "dkv": (MmaTile(warps=8, step=64, split=2), MmaTile(warps=8, step=32, split=2),
+            MmaTile(warps=4, step=32, stages=1, split=2)),
+}
+"""Tiles for D = 160-256, in order of preference; :func:`tile` takes the first that fits the
+arch's shared memory (at D = 256 the first fits sm_90's 227 KiB, the second sm_80's 163 KiB,
+the third 99 KiB). One m-tile per warp: the O or dQ sums alone take ``D / 2`` registers per
+lane and m-tile (128 at D = 256). dK/dV splits the head dim over two warps
+(``MmaTile.split``): unsplit, its dK and dV sums would take ``D`` registers per lane. Q stays
+in shared memory (the forward's Q-in-registers path would add ``D / 4`` per m-tile).
+FlashAttention-2 runs D = 256 on the same instruction with a 128 x 64 forward tile of 8 warps
+and 64 x 64 backward tiles of 8 warps. Not yet measured: ``scripts/sweep_mma.py`` times these
+against other candidates.
+
+ptxas (nvcc 13.0, the chosen tile of every D 160-256 x fp16/bf16 key, top-left, sm_80 and
+sm_90): no spills; registers fwd 209-245, dQ 166-249, dK/dV 170-244 (D 160: 209-217 / 166-172
+/ 176-177; D 256: 234-241 / 245-249 / 232-243)."""
 
 
 class _Fragments:
@@ -133,31 +193,45 @@ class _Fragments:
         threads, mt = tile.warps * WARP, tile.mtiles
         ab = _PTX[dtype]
         stride, vrow = d + ROW_PAD, d // VEC
+        dc = d // tile.split  # columns of the head dim a warp's dK/dV sums hold
+
+        @T.macro
+        def copy_vector(dst, base, src, b, h, start, length, vec, asynchronous):
+            """Copy ``vec`` of :func:`copy_rows`: row ``vec // vrow``, 16 bytes from column
+            ``vec % vrow * 8``."""
+            row = T.meta_var(vec // vrow)
+            col = T.meta_var(vec % vrow * VEC)
+            # (asynchronous) the source offset computed outside the branch: nvcc then adds the
+            # row stride to the previous copy's instead of multiplying per copy
+            at = T.alloc_buffer((1,), "int64", scope="local")
+            if asynchronous:
+                at[0] = src.offset_of([b, h, start + row, col])[0]
+            if start + row < length:
+                if asynchronous:
+                    T.ptx.cp.async_.cg.shared.global_(
+                        dst.access_ptr("w", offset=(base + row) * stride + col),
+                        src.access_ptr("r", offset=at[0]), 16)
+                else:
+                    for v in T.vectorized(VEC):
+                        dst[base + row, col + v] = src[b, h, start + row, col + v]
+            else:
+                for v in T.vectorized(VEC):
+                    dst[base + row, col + v] = T.cast(0, dtype)
 
         @T.macro
         def copy_rows(dst, base, src, b, h, start, length, rows, tx, asynchronous):
             """``dst[base + i, :] = src[b, h, start + i, :]`` for ``rows`` rows, 16 bytes per
             copy, zero rows past ``length``; ``asynchronous``: ``cp.async`` (the caller commits
             and waits)."""
-            for it in T.unroll(rows * vrow // threads):
-                row = T.meta_var((it * threads + tx) // vrow)
-                col = T.meta_var((it * threads + tx) % vrow * VEC)
-                # (asynchronous) the source offset computed outside the branch: nvcc then adds
-                # the row stride to the previous copy's instead of multiplying per copy
-                at = T.alloc_buffer((1,), "int64", scope="local")
-                if asynchronous:
-                    at[0] = src.offset_of([b, h, start + row, col])[0]
-                if start + row < length:
-                    if asynchronous:
-                        T.ptx.cp.async_.cg.shared.global_(
-                            dst.access_ptr("w", offset=(base + row) * stride + col),
-                            src.access_ptr("r", offset=at[0]), 16)
-                    else:
-                        for v in T.vectorized(VEC):
-                            dst[base + row, col + v] = src[b, h, start + row, col + v]
-                else:
-                    for v in T.vectorized(VEC):
-                        dst[base + row, col + v] = T.cast(0, dtype)
+            if rows * vrow % threads == 0:
+                for it in T.unroll(rows * vrow // threads):
+                    copy_vector(dst, base, src, b, h, start, length, it * threads + tx,
+                                asynchronous)
+            else:  # the last round is partial (D = 160 or 224 with some tiles)
+                for it in T.unroll((rows * vrow + threads - 1) // threads):
+                    if it * threads + tx < rows * vrow:
+                        copy_vector(dst, base, src, b, h, start, length, it * threads + tx,
+                                    asynchronous)
 
         @T.macro
         def mma(a, a_off, b, b_off, c, c_off):
@@ -165,13 +239,19 @@ class _Fragments:
             T.evaluate(T.ptx_legacy.mma("m16n8k16", "row", "col", ab, ab, "fp32", a.data, a_off,
                                         b.data, b_off, c.data, c_off, False, dtype=F32))
 
-        @T.macro
-        def ld_a(frag, off, smem, row0, col0, lane):
-            """A operand: the 16x16 block of ``smem`` at (row0, col0)."""
-            T.evaluate(T.ptx_legacy.ldmatrix(
-                False, 4, ".b16", frag.data, off,
-                smem.access_ptr("r", offset=(row0 + lane % 16) * stride + col0 + lane // 16 * 8),
-                0, dtype=dtype))
+        def a_loader(row_stride: int):
+            @T.macro
+            def ld_a(frag, off, smem, row0, col0, lane):
+                """A operand: the 16x16 block of ``smem`` at (row0, col0)."""
+                T.evaluate(T.ptx_legacy.ldmatrix(
+                    False, 4, ".b16", frag.data, off,
+                    smem.access_ptr("r", offset=(row0 + lane % 16) * row_stride + col0
+                                    + lane // 16 * 8), 0, dtype=dtype))
+
+            return ld_a
+
+        ld_a = a_loader(stride)  # rows of the head dim
+        ld_a_step = a_loader(tile.step + ROW_PAD)  # rows of a step's P^T or dS^T (split)
 
         @T.macro
         def ld_b(frag, smem, n0, k0, lane):
@@ -258,6 +338,27 @@ class _Fragments:
             gemm_nn_pair(acc, a_regs, b_smem, None, None, None, k, b_row, bf, None, lane)
 
         @T.macro
+        def gemm_nn_pair_split(acc, a_smem, b_smem, acc2, a2_smem, b2_smem, a_row, b_row, col0,
+                               bf, bf2, lane):
+            """``acc (16 mt x d / split) += A B`` and ``acc2 += A2 B2`` in one loop, for a
+            split tile: A the warp's rows of ``a_smem`` from ``a_row`` over the step (P^T or
+            dS^T, stored (row, step)), B the step's rows of ``b_smem`` from ``b_row``, columns
+            ``col0`` to ``col0 + d / split``, stored (step, d)."""
+            for kk in T.unroll(tile.step // 16):
+                for mi in T.unroll(mt):
+                    ld_a_step(bf, 8 + mi * 8, a_smem, a_row + mi * 16, kk * 16, lane)
+                    ld_a_step(bf2, 8 + mi * 8, a2_smem, a_row + mi * 16, kk * 16, lane)
+                for np_ in T.unroll(dc // 16):
+                    ld_bt(bf, b_smem, b_row + kk * 16, col0 + np_ * 16, lane)
+                    ld_bt(bf2, b2_smem, b_row + kk * 16, col0 + np_ * 16, lane)
+                    for half in T.unroll(2):
+                        for mi in T.unroll(mt):
+                            mma(bf, 8 + mi * 8, bf, half * 4, acc,
+                                mi * (dc // 2) + (np_ * 2 + half) * 4)
+                            mma(bf2, 8 + mi * 8, bf2, half * 4, acc2,
+                                mi * (dc // 2) + (np_ * 2 + half) * 4)
+
+        @T.macro
         def quad_reduce(x, i, op):
             """Combine ``x[i]`` over the 4 lanes of a row."""
             x[i] = op(x[i], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), x[i], 1, 32, 32))
@@ -281,7 +382,21 @@ class _Fragments:
                                 dst[b, h, row, n * 8 + lane % 4 * 2 + e] = T.cast(
                                     acc[(mi * (d // 8) + n) * 4 + r * 2 + e] * scale, dtype)
 
+        @T.macro
+        def store_split(dst, b, h, r0, length, acc, scale, grp, col0, lane):
+            """:func:`store_rows` for a split tile: ``acc`` holds the columns ``col0`` to
+            ``col0 + d / split`` of the rows of key group ``grp``."""
+            for mi in T.unroll(mt):
+                for r in T.unroll(2):
+                    row = T.meta_var(r0 + (grp * mt + mi) * 16 + lane // 4 + r * 8)
+                    if row < length:
+                        for n in T.unroll(dc // 8):
+                            for e in T.vectorized(2):
+                                dst[b, h, row, col0 + n * 8 + lane % 4 * 2 + e] = T.cast(
+                                    acc[(mi * (dc // 8) + n) * 4 + r * 2 + e] * scale, dtype)
+
         self.copy_rows, self.load_a = copy_rows, load_a
+        self.gemm_nn_pair_split, self.store_split = gemm_nn_pair_split, store_split
         self.gemm_nt, self.gemm_nn, self.quad_reduce = gemm_nt, gemm_nn, quad_reduce
         self.gemm_nt_pair, self.gemm_nn_pair = gemm_nt_pair, gemm_nn_pair
         self.zero, self.store_rows = zero, store_rows
@@ -381,6 +496,24 @@ def _block_order(causal: str, bx, tiles, heads):
     return bx // heads, bx % heads
 
 
+def _plus(x, offset):
+    """``x + offset``, or ``x`` itself where ``offset`` is the literal 0 (leaves the source of
+    unsplit kernels as it was)."""
+    return x if isinstance(offset, int) and offset == 0 else x + offset
+
+
+def _smem_limit(key: KernelKey) -> int:
+    """Bytes of dynamic shared memory a block may use on the key's arch."""
+    return SMEM_LIMIT.get(int(key.target[len("cuda-sm_"):].rstrip("a")), 99) * 1024
+
+
+def _check_fits(key: KernelKey, tile: MmaTile) -> None:
+    need = tile.smem_bytes(key.op, key.head_dim)
+    if need > _smem_limit(key):
+        raise ValueError(f"mma tile {tile}: {key.op} at D={key.head_dim} needs {need} bytes of "
+                         f"shared memory, {key.target} allows {_smem_limit(key)}")
+
+
 def _ready(stages: int):
     @T.macro
     def ready():
@@ -421,6 +554,7 @@ def flash_forward(key: KernelKey, tile: MmaTile):
     W, BQ, BK, stages, MT = tile.warps, tile.rows, tile.step, tile.stages, tile.mtiles
     NT = W * WARP
     f = _Fragments(D, dtype, tile)
+    _check_fits(key, tile)
     walk = _KeyWalk(f, key, tile)
     NS, NO = BK // 8, D // 8  # n-tiles of S and of O
     QREG = D * MT <= 128  # Q's A fragments stay in (at most 32) registers
@@ -547,6 +681,7 @@ def flash_dq(key: KernelKey, tile: MmaTile):
     W, BQ, BK, stages, MT = tile.warps, tile.rows, tile.step, tile.stages, tile.mtiles
     NT = W * WARP
     f = _Fragments(D, dtype, tile)
+    _check_fits(key, tile)
     walk = _KeyWalk(f, key, tile)
     NS, NO = BK // 8, D // 8
 
@@ -632,12 +767,16 @@ def flash_dq(key: KernelKey, tile: MmaTile):
 def flash_dkv(key: KernelKey, tile: MmaTile):
     """``flash_dkv(q, k, v, do, lse, delta, dk, dv, scale)`` as ``kernels.backward.flash_dkv``:
     a block owns ``tile.rows`` keys of one key/value head and walks every query head of its
-    group and every query tile that sees those keys (one flattened, double-buffered loop)."""
+    group and every query tile that sees those keys (one flattened, double-buffered loop).
+    A split tile (``MmaTile.split``) passes each step's P^T and dS^T through shared memory."""
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
     W, BK, BQ, stages, MT = tile.warps, tile.rows, tile.step, tile.stages, tile.mtiles
+    SP = tile.split
     NT = W * WARP
     f = _Fragments(D, dtype, tile)
-    NS, NO = BQ // 8, D // 8
+    _check_fits(key, tile)
+    BQW = BQ // SP  # queries of a warp's S^T and dP^T
+    NS, NO = BQW // 8, D // SP // 8
     if 2 * BQ > NT:
         raise ValueError(f"mma tile {tile}: one thread per LSE and Delta row needs {2 * BQ}")
 
@@ -689,6 +828,12 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
         Qs = T.alloc_buffer((stages * BQ, D + ROW_PAD), dtype, scope="shared.dyn")
         dOs = T.alloc_buffer((stages * BQ, D + ROW_PAD), dtype, scope="shared.dyn")
         stats = T.alloc_buffer((stages * 2 * BQ,), F32, scope="shared.dyn")  # LSE, Delta
+        if SP > 1:  # the step's P^T and dS^T (rounded), the A operands of dV and dK; static
+            # shared memory: TVM merges all shared.dyn buffers into one, and its barrier planner
+            # would then see these writes conflict with the step's reads of Q and dO, and add
+            # a barrier before them
+            Ps = T.alloc_buffer((BK, BQ + ROW_PAD), dtype, scope="shared")
+            dSs = T.alloc_buffer((BK, BQ + ROW_PAD), dtype, scope="shared")
         bf = T.alloc_buffer((8 + 8 * MT,), dtype, scope="local")
         bf2 = T.alloc_buffer((8 + 8 * MT,), dtype, scope="local")
         st = T.alloc_buffer((MT * NS * 4,), F32, scope="local")
@@ -709,7 +854,13 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
         c[5] = c[4] * group
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
-        key_row = T.meta_var(c[2] + w * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's keys
+        if SP > 1:  # warp w: keys of group w // SP, queries and columns of part w % SP
+            kg = T.meta_var(w // SP)
+            qw = T.meta_var(w % SP * BQW)  # its first query of the step
+        else:
+            kg = T.meta_var(w)
+            qw = T.meta_var(0)
+        key_row = T.meta_var(c[2] + kg * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's keys
 
         f.copy_rows(Ks, 0, K, c[0], c[1], c[2], Lk, BK, tx, False)
         f.copy_rows(Vs, 0, V, c[0], c[1], c[2], Lk, BK, tx, False)
@@ -736,27 +887,46 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
             # column (query)
             f.zero(st, MT * NS * 4)
             f.zero(dpt, MT * NS * 4)
-            f.gemm_nt_pair(st, None, Ks, Qs, dpt, Vs, dOs, w * MT * 16, sq, BQ, bf, bf2, lane)
+            f.gemm_nt_pair(st, None, Ks, Qs, dpt, Vs, dOs, kg * MT * 16, _plus(sq, qw), BQW, bf,
+                           bf2, lane)
             for i2, e in T.grid(MT * NS, 4):
                 st[i2 * 4 + e] = T.cast(T.cast(_prob(
-                    st[i2 * 4 + e], scale, stats[ss + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
+                    st[i2 * 4 + e], scale,
+                    stats[_plus(ss, qw) + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
                     dtype), F32)
             if _mask_needed(causal, c[2], BK, q0, BQ, Lq, Lq, Lk, transposed=True):
                 for i2, e in T.grid(MT * NS, 4):
-                    if not visible(causal, q0 + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS),
+                    if not visible(causal,
+                                   _plus(q0, qw) + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS),
                                    key_row + _row_offset(i2 * 4 + e, NS), Lq, Lk):
                         st[i2 * 4 + e] = T.float32(0)
             # dS^T = P^T (dP^T - Delta); dV += P^T dO and dK += dS^T Q in one loop
             for i2, e in T.grid(MT * NS, 4):
                 pt[i2 * 4 + e] = T.cast(st[i2 * 4 + e], dtype)
                 dst[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * (
-                    dpt[i2 * 4 + e] - stats[ss + BQ + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
+                    dpt[i2 * 4 + e]
+                    - stats[_plus(ss + BQ, qw) + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
                     dtype)
-            f.gemm_nn_pair(dv, pt, dOs, dk, dst, Qs, BQ, sq, bf, bf2, lane)
+            if SP > 1:  # every warp of the group takes the whole step's P^T and dS^T
+                for i2, e in T.grid(MT * NS * 2, 2):
+                    Ps[kg * MT * 16 + lane // 4 + _row_offset(i2 * 2, NS),
+                       qw + lane % 4 * 2 + _col_offset(i2 * 2, NS) + e] = pt[i2 * 2 + e]
+                    dSs[kg * MT * 16 + lane // 4 + _row_offset(i2 * 2, NS),
+                        qw + lane % 4 * 2 + _col_offset(i2 * 2, NS) + e] = dst[i2 * 2 + e]
+                T.tvm_storage_sync("shared")
+                f.gemm_nn_pair_split(dv, Ps, dOs, dk, dSs, Qs, kg * MT * 16, sq, w % SP * D // SP,
+                                     bf, bf2, lane)
+            else:
+                f.gemm_nn_pair(dv, pt, dOs, dk, dst, Qs, BQ, sq, bf, bf2, lane)
             T.tvm_storage_sync("shared")
 
-        f.store_rows(dK, c[0], c[1], c[2], Lk, dk, scale, w, lane)
-        f.store_rows(dV, c[0], c[1], c[2], Lk, dv, T.float32(1), w, lane)
+        if SP > 1:
+            f.store_split(dK, c[0], c[1], c[2], Lk, dk, scale, kg, w % SP * D // SP, lane)
+            f.store_split(dV, c[0], c[1], c[2], Lk, dv, T.float32(1), kg, w % SP * D // SP,
+                          lane)
+        else:
+            f.store_rows(dK, c[0], c[1], c[2], Lk, dk, scale, w, lane)
+            f.store_rows(dV, c[0], c[1], c[2], Lk, dv, T.float32(1), w, lane)
 
     return flash_dkv
 
@@ -764,6 +934,7 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
 KERNELS = {"fwd": flash_forward, "dq": flash_dq, "dkv": flash_dkv}
 
 
-def kernel(key: KernelKey):
-    """The warp-level PrimFunc for ``key`` (see :func:`supports`)."""
-    return KERNELS[key.op](key, tile(key))
+def kernel(key: KernelKey, tile: MmaTile | None = None):
+    """The warp-level PrimFunc for ``key`` (see :func:`supports`); ``tile`` overrides the
+    chosen one (``scripts/sweep_mma.py`` measures candidates this way)."""
+    return KERNELS[key.op](key, tile or _chosen_tile(key))

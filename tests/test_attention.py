@@ -46,6 +46,31 @@ def test_other_head_dims(dtype, causal, d, device):
     check_against_reference(q, k, v, do, causal)
 
 
+CUDA = [d for d in DEVICES if d != "cpu"]
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("lq,lk", [(161, 161), (33, 300), (300, 7)])  # Lq > SHORT_QUERY_MAX
+@pytest.mark.parametrize("d", [160, 192, 224, 256])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_large_head_dims(dtype, causal, d, lq, lk, device):
+    """D 160-256 on CUDA's warp-level kernels (one m-tile per warp; dK/dV with the head dim
+    split over two warps): GQA 2:1, several tiles with a partial last one, Lq != Lk both ways.
+    GPU only: on the CPU these are the factories' kernels of every other D."""
+    q, k, v, do = make_inputs(1, 4, 2, lq, lk, d, dtype, device)
+    check_against_reference(q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("device", CUDA)
+@pytest.mark.parametrize("causal", ["none", "top-left"])
+@pytest.mark.parametrize("d,dtype", [(192, torch.float16), (256, torch.bfloat16)])
+def test_large_head_dims_long_mha(dtype, d, causal, device):
+    """D > 128, MHA, a length past many key and query tiles."""
+    q, k, v, do = make_inputs(1, 2, 2, 1025, 1025, d, dtype, device)
+    check_against_reference(q, k, v, do, causal)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_custom_scale_and_lq_ne_lk(device):
     q, k, v, do = make_inputs(1, 4, 2, 33, 150, 128, torch.float16, device)

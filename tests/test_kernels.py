@@ -1,6 +1,8 @@
 """Kernel structure, the raw kernel entry points with poisoned outputs, and input errors."""
 
+import functools
 import importlib
+import itertools
 import math
 import re
 import shutil
@@ -9,13 +11,14 @@ import subprocess
 import pytest
 import torch
 import tvm
+from checks import FLOOR, _err, make_inputs, reference
 from conftest import DEVICES
 
 from tvm_flash import KernelKey, attention, attention_reference
 from tvm_flash.artifacts import kernel
 from tvm_flash.build import compile_module, device_source, scheduled_module, schedules
 from tvm_flash.kernels import FACTORIES, TileConfig
-from tvm_flash.key import MERGE_OPS, OPS
+from tvm_flash.key import HEAD_DIMS, MERGE_OPS, OPS
 from tvm_flash.target import make_target, target_tag_for_device
 
 
@@ -66,7 +69,45 @@ def test_cuda_tiled_kernels_are_warp_level_mma(target, op, dtype):
     assert "wmma" not in src
 
 
+# D > 128, a few keys each (lowering one takes seconds): every D and op, both dtypes and
+# targets; sm_80 gets other tiles than sm_90 at D >= 224 (163 KiB of shared memory, not 227)
+LARGE_D_CASES = [(160, "float16", "cuda-sm_80"), (192, "bfloat16", "cuda-sm_90"),
+                 (224, "bfloat16", "cuda-sm_80"), (256, "float16", "cuda-sm_90"),
+                 (256, "bfloat16", "cuda-sm_80")]
+
+
+@functools.cache
+def _mma_source(op, d, dtype, target, group):
+    return device_source(compile_module(_key(op, d, dtype, target, "top-left", group)))
+
+
+@pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
+@pytest.mark.parametrize("d,dtype,target", LARGE_D_CASES)
+def test_large_head_dims_are_warp_level_mma(op, d, dtype, target):
+    """D 160-256 in fp16/bf16 run the warp-level kernels too (one m-tile per warp; dK/dV with
+    the head dim split over two warps), lowered for sm_80 and sm_90."""
+    src = _mma_source(op, d, dtype, target, 2)
+    ptx = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32" in src
+    assert "ldmatrix.sync.aligned.m8n8.x4" in src and "cp.async.cg.shared.global" in src
+
+
 MAX_SPILL_BYTES = 48
+"""ptxas spill allowance of the warp-level kernels: the chosen D <= 128 tiles sit at 255
+registers, and those spilling at most 40 bytes measured faster than every spill-free
+alternative (docs/journal/perf-history.md v6, v7); a fragment array pushed out to local memory
+would spill hundreds. The D > 128 tiles spill nothing (``cuda_mma.LARGE_D_TILES``)."""
+
+
+def _ptxas_spills(src, arch, tmp_path):
+    path = tmp_path / "k.cu"
+    path.write_text(src)
+    res = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
+                          str(tmp_path / "k.cubin"), str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", res.stderr)]
+    assert spilled, res.stderr
+    return max(spilled), res.stderr
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
@@ -74,22 +115,26 @@ MAX_SPILL_BYTES = 48
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_warp_level_kernels_stay_in_registers(op, d, dtype, tmp_path):
-    """ptxas keeps every warp-level kernel in registers but for a few bytes: the chosen tiles
-    sit at 255 registers, and those spilling at most 40 bytes measured faster than every
-    spill-free alternative (docs/journal/perf-history.md v6, v7); a fragment array pushed out to
-    local memory would spill hundreds."""
-    src = tmp_path / "k.cu"
-    src.write_text(device_source(compile_module(_key(op, d, dtype, "cuda-sm_90", "top-left", 1))))
-    res = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
-                          str(tmp_path / "k.cubin"), str(src)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", res.stderr)]
-    assert spilled and max(spilled) <= MAX_SPILL_BYTES, res.stderr
+    """ptxas keeps every warp-level kernel in registers but for a few bytes
+    (``MAX_SPILL_BYTES``)."""
+    src = device_source(compile_module(_key(op, d, dtype, "cuda-sm_90", "top-left", 1)))
+    spilled, log = _ptxas_spills(src, "sm_90", tmp_path)
+    assert spilled <= MAX_SPILL_BYTES, log
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
+@pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
+@pytest.mark.parametrize("d,dtype,target", LARGE_D_CASES)
+def test_large_head_dim_kernels_stay_in_registers(op, d, dtype, target, tmp_path):
+    """The D > 128 tiles assemble for their arch within the same allowance."""
+    spilled, log = _ptxas_spills(_mma_source(op, d, dtype, target, 2),
+                                 target[len("cuda-"):], tmp_path)
+    assert spilled <= MAX_SPILL_BYTES, log
 
 
 @pytest.mark.parametrize("op,d,dtype,target", [
     ("fwd", 64, "float32", "cuda-sm_90"),  # fp32: the SIMT schedule
-    ("fwd", 256, "bfloat16", "cuda-sm_90"),  # running sums too large for registers
+    ("fwd", 256, "float32", "cuda-sm_90"),
     ("fwd_split", 64, "bfloat16", "cuda-sm_90"),  # short-query path
     ("dq", 64, "float16", "llvm"),
 ])
@@ -97,11 +142,31 @@ def test_other_kernels_are_scheduled_from_the_factories(op, d, dtype, target):
     assert not schedules.lowers(target.split("-")[0], _key(op, d, dtype, target))
 
 
-def test_mma_tile_must_divide_over_the_threads():
+@pytest.mark.parametrize("target", ["cuda-sm_80", "cuda-sm_90"])
+def test_no_16_bit_tiled_kernel_takes_the_simt_schedule(target):
+    """Every fp16/bf16 forward, dQ and dK/dV key on sm_80+ is a warp-level kernel, at every
+    head dim, with a tile that fits the arch's shared memory."""
     mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
-    key = _key("dkv", 64, "bfloat16", "cuda-sm_90")
-    with pytest.raises(ValueError, match="do not divide over 256 threads"):
-        mma.flash_dkv(key, mma.MmaTile(warps=8, step=16))
+    for op, d, dtype in itertools.product(("fwd", "dq", "dkv"), HEAD_DIMS,
+                                          ("float16", "bfloat16")):
+        key = _key(op, d, dtype, target)
+        assert schedules.lowers("cuda", key), key
+        if d > 128:
+            t = mma.tile(key)
+            t.check(d)
+            assert t.smem_bytes(op, d) <= mma._smem_limit(key), (key, t)
+
+
+def test_mma_tile_refusals():
+    """A split that leaves partial m16n8k16 tiles, or a tile over the arch's shared memory, is
+    refused with the reason."""
+    mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
+    key = _key("dkv", 160, "bfloat16", "cuda-sm_90")
+    with pytest.raises(ValueError, match="split 4 must divide"):
+        mma.flash_dkv(key, mma.MmaTile(warps=8, step=64, mtiles=2, split=4))
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        mma.flash_dkv(_key("dkv", 256, "bfloat16", "cuda-sm_80"),
+                      mma.MmaTile(warps=8, step=64, split=2))
 
 
 @pytest.mark.parametrize("causal", ["none", "top-left"])
@@ -193,3 +258,35 @@ def test_bad_input_is_named(case, changes, exc, text):
     q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
     with pytest.raises(exc, match=re.escape(text)):
         attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+@pytest.mark.parametrize("causal", ["none", "bottom-right"])
+@pytest.mark.parametrize("d,dtype", [(160, torch.float16), (256, torch.bfloat16)])
+def test_large_head_dim_raw_kernels_overwrite_poisoned_outputs(d, dtype, causal, device):
+    """The D > 128 warp-level kernels (GQA 2:1, lengths that end mid-tile) write every element
+    of NaN-filled outputs, within the bounds of tests/checks.py."""
+    b, hq, hkv, lq, lk = 2, 4, 2, 45, 70
+    q, k, v, do = make_inputs(b, hq, hkv, lq, lk, d, dtype, device)
+    scale = d ** -0.5
+    exact = reference(q, k, v, do, causal, torch.float64, scale)
+    lowp = reference(q, k, v, do, causal, dtype, scale)
+    meta = {"head_dim": d, "dtype": dtype, "causal": causal, "group": hq // hkv,
+            "target": target_tag_for_device(q.device)}
+    f32 = {"dtype": torch.float32, "device": device}
+    out, lse = _poisoned(q.shape, dtype, device), _poisoned(q.shape[:3], torch.float32, device)
+    kernel(KernelKey("fwd", **meta))(q, k, v, torch.zeros(hq, **f32), out, lse, scale)
+    ref_lse = exact[1].float().contiguous()
+    delta = (do.double() * exact[0].to(dtype).double()).sum(-1).float()
+    dq = _poisoned(q.shape, dtype, device)
+    dk, dv = _poisoned(k.shape, dtype, device), _poisoned(v.shape, dtype, device)
+    kernel(KernelKey("dq", **meta))(q, k, v, do, ref_lse, delta, dq, scale)
+    kernel(KernelKey("dkv", **meta))(q, k, v, do, ref_lse, delta, dk, dv, scale)
+    torch.cuda.synchronize()
+    for name, ours, e, lp, mult in zip(("out", "lse", "dq", "dk", "dv"),
+                                       (out, lse, dq, dk, dv), exact, lowp, (2, 2, 3, 3, 3),
+                                       strict=True):
+        assert not torch.isnan(ours).any(), f"{name} has unwritten (NaN) elements"
+        err, _ = _err(ours, e)
+        bound = mult * _err(lp, e)[0] + FLOOR[dtype]
+        assert err <= bound, f"{name}: max error {err:.3g} > {bound:.3g}"

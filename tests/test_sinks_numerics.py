@@ -23,6 +23,17 @@ def test_sinks_values_and_gradients(dtype, causal, lq, lk, device):
     check_against_reference(q, k, v, do, causal, sinks=sinks)
 
 
+@pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
+@pytest.mark.parametrize("lq,lk", [(97, 97), (300, 33)])
+@pytest.mark.parametrize("causal", ["top-left", "bottom-right"])
+@pytest.mark.parametrize("d,dtype", [(160, torch.bfloat16), (256, torch.float16)])
+def test_sinks_large_head_dims(d, dtype, causal, lq, lk, device):
+    """Sinks on the D > 128 warp-level kernels (GPU only)."""
+    q, k, v, do = make_inputs(1, 4, 2, lq, lk, d, dtype, device)
+    sinks = 2 * torch.randn(4, device=device)
+    check_against_reference(q, k, v, do, causal, sinks=sinks)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_sinks_in_input_dtype_get_gradient_in_that_dtype(device):
     q, k, v, do = make_inputs(1, 4, 4, 9, 9, 64, torch.bfloat16, device)
