@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import tvm_flash
 import tvm_flash.ops
+import tvm_flash.plan
 from tvm_flash import KernelKey, attention_reference, layout
 from tvm_flash.artifacts import kernel
 from tvm_flash.target import target_tag_for_device
@@ -29,16 +30,23 @@ def _blhd_strides(t):
 
 @pytest.fixture
 def launched(monkeypatch):
-    """Every kernel launch's op and tensor arguments, as the binding passes them."""
+    """Every kernel launch's op and tensor arguments, as the binding passes them (the plans
+    made while the fixture is active load spying kernels)."""
     calls = []
-    launch = tvm_flash.ops._launch
+    load = tvm_flash.plan.kernel
 
-    def spy(op, meta, *args):
-        calls.append((op, [a for a in args if isinstance(a, torch.Tensor)]))
-        return launch(op, meta, *args)
+    def spying(key):
+        fn = load(key)
 
-    monkeypatch.setattr(tvm_flash.ops, "_launch", spy)
-    return calls
+        def run(*args):
+            calls.append((key.op, [a for a in args if isinstance(a, torch.Tensor)]))
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(tvm_flash.plan, "kernel", spying)
+    tvm_flash.plan.clear()
+    yield calls
+    tvm_flash.plan.clear()
 
 
 def _passed_as_is(t, calls, ops):
@@ -85,7 +93,7 @@ def test_blhd_views_reach_every_kernel_uncopied(lq, device, launched):
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     out = tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True)
     out.backward(do)
-    short = lq <= tvm_flash.ops.SHORT_QUERY_MAX
+    short = tvm_flash.plan.is_short(lq)
     fwd = ["fwd_split"] if short else ["fwd"]
     bwd = ["dq_split", "dkv_packed"] if short else ["dq", "dkv"]
     for t in (q, k, v):
