@@ -104,7 +104,8 @@ class MmaTile:
                              f"static shared memory")
 
     def smem_bytes(self, op: str, head_dim: int) -> int:
-        """Shared memory of ``op``'s kernel with this tile (all of it dynamic)."""
+        """Shared memory of ``op``'s kernel with this tile: dynamic, plus a split tile's P^T
+        and dS^T in static shared memory."""
         row = (head_dim + ROW_PAD) * 2
         if op == "fwd":  # Q; K and V stages
             return (self.rows + 2 * self.stages * self.step) * row
