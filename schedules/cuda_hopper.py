@@ -56,7 +56,7 @@ from tvm_flash.kernels.common import (
 )
 from tvm_flash.key import KernelKey
 
-from .cuda_mma import _block_order, _lane_row, _mask_needed, _row_tree
+from .cuda_mma import _block_order, _lane_row, _mask_needed, _require_vector_rows, _row_tree
 
 F32 = "float32"
 WG = 128  # threads of a warpgroup
@@ -87,7 +87,6 @@ class HopperTile:
     consumers: int = 2
     step: int = 128
     stages: int = 2
-    pingpong: bool = False
 
     @property
     def rows(self) -> int:
@@ -144,6 +143,19 @@ def quad_reduce(x, i, op):
     x[i] = op(x[i], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), x[i], 2, 32, 32))
 
 
+def _tma_strides(buf):
+    """Byte strides of a (B, H, L, D) tensor's rows, heads and batches for its tensor map. The
+    copy engine wants every stride a multiple of 16 bytes, also that of a dimension of size 1,
+    whose stride torch leaves arbitrary (nothing reads by it): such a one is replaced by the
+    compact stride, a multiple of 16 bytes like the others (``_require_vector_rows``)."""
+    b, h, length, d = buf.shape
+    sb, sh, sl = buf.strides[:3]
+    rows = T.if_then_else(length == 1, T.int64(d), sl)
+    heads = T.if_then_else(h == 1, rows * length, sh)
+    batches = T.if_then_else(b == 1, heads * h, sb)
+    return rows * 2, heads * 2, batches * 2
+
+
 def _desc(d, ptr, ldo: int, sdo: int, swizzle: int):
     """Fill the 64-bit ``wgmma`` matrix descriptor ``d`` for a swizzled tile at ``ptr``
     (offsets in 16-byte units)."""
@@ -186,7 +198,6 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     FK, FV, EK, EV = 1, 1 + ST, 1 + 2 * ST, 1 + 3 * ST  # first barrier of each kind
     # registers: the producer keeps 24, the consumers share the rest of the 64 Ki
     regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
-    PP = tile.pingpong and NC == 2
 
     @T.macro
     def load(buf, bars, tmap, j, full, hk, b):
@@ -199,20 +210,16 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                         T.address_of(bars[full + st]))
 
     @T.macro
-    def issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, js, jv, cw, do_s: bool, do_pv: bool):
+    def issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, js, jv, do_s: bool, do_pv: bool):
         """Issue S = Q K_js and/or O += P V_jv, each one commit group, once their tiles have
         arrived. Descriptors and operands are final before the one fence: a register a wgmma
-        reads that changes after the fence makes ptxas inject another (C7519). Ping-pong: the
-        two consumers take turns to issue (named barriers 1 and 2), so one's softmax runs
-        while the other's products occupy the tensor cores."""
+        reads that changes after the fence makes ptxas inject another (C7519)."""
         if do_s:
             _desc(dk[0], T.address_of(Ks[js % ST, 0, 0, 0]), 1, 8 * ROW, SW)
             T.cuda.mbarrier_wait(T.address_of(bars[FK + js % ST]), js // ST % 2)
         if do_pv:
             _desc(dv[0], T.address_of(Vs[jv % ST, 0, 0, 0]), v_ldo, v_sdo, SW)
             T.cuda.mbarrier_wait(T.address_of(bars[FV + jv % ST]), jv // ST % 2)
-        if PP:
-            T.ptx.bar.sync(T.cast(1 + cw, "uint32"), T.uint32(2 * WG))
         pin(s, NS * 4)
         pin_u32(pw, NS * 2)
         pin(acc, NO * 4)
@@ -230,9 +237,6 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                              pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
                              dv[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 1)
             T.ptx.wgmma.commit_group.sync.aligned()
-        if PP:  # the other's turn; after its last issue consumer 1 has nobody to wake
-            if do_s or cw == 0:
-                T.ptx.bar.arrive(T.cast(2 - cw, "uint32"), T.uint32(2 * WG))
 
     @T.macro
     def softmax(s, p, acc, m, mn, msub, lsum, bars, j, row, lane, scale2, elected, Lq, Lk, c):
@@ -283,15 +287,16 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype, strides=(ob, oh, ol, 1), align=16)
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Sinks = T.match_buffer(sinks_h, (Hq,), F32)
+        _require_vector_rows("flash_fwd", Q, K, V, O)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", qmap, dtype, 4, Q.data, D, Lq, Hq, B,
-                      ql * 2, qh * 2, qb * 2, ATOM, BM, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
+                      *_tma_strides(Q), ATOM, BM, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", kmap, dtype, 4, K.data, D, Lk, Hkv, B,
-                      kl * 2, kh * 2, kb * 2, ATOM, BK, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
+                      *_tma_strides(K), ATOM, BK, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
         vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", vmap, dtype, 4, V.data, D, Lk, Hkv, B,
-                      vl * 2, vh * 2, vb * 2, ATOM, BK, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
+                      *_tma_strides(V), ATOM, BK, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
         T.device_entry()
         # one block per SM: the register cap that setmaxnreg redistributes
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
@@ -375,19 +380,16 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                 # step 0: S_0 alone; steps 1..n-1: S_j = Q K_j and O += P_{j-1} V_{j-1} in
                 # flight together; then the last P V. Peeled so that the steady loop has no
                 # branch around a wgmma (ptxas serialises wgmma it cannot follow).
-                if PP and cw == 1:
-                    T.ptx.bar.arrive(T.uint32(1), T.uint32(2 * WG))  # consumer 0 goes first
-                issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, T.int64(0), T.int64(0), cw, True,
-                      False)
+                issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, T.int64(0), T.int64(0), True, False)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), row, lane, scale2,
                         elected, Lq, Lk, c)
                 for j in T.serial(n - 1):
-                    issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, j + 1, j, cw, True, True)
+                    issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, j + 1, j, True, True)
                     T.ptx.wgmma.wait_group.sync.aligned(1)  # S done, P V may run on
                     softmax(s, p, acc, m, mn, msub, lsum, bars, j + 1, row, lane, scale2,
                             elected, Lq, Lk, c)
-                issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, n - 1, n - 1, cw, False, True)
+                issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, n - 1, n - 1, False, True)
                 T.ptx.wgmma.wait_group.sync.aligned(0)
                 pin(acc, NO * 4)
 
