@@ -16,11 +16,6 @@ from importlib import import_module
 
 _BY_KIND = {"llvm": "cpu", "cuda": "cuda", "metal": "metal"}
 
-PACKED_ROWS = 8
-"""Query rows of a short-query (packed-row) tile on every target: the queries of a GQA group
-packed into one tile (a decode step of 8 heads, or 8 queries of one head). The schedules ask
-the factories for tiles of this many rows; the binding sizes its key splits by it
-(``tvm_flash.plan.num_splits``)."""
 
 
 def for_target(kind: str):

@@ -9,8 +9,8 @@ from tvm import s_tir
 
 from tvm_flash.kernels.common import TileConfig
 from tvm_flash.key import MERGE_OPS, PACKED_BASE, KernelKey
+from tvm_flash.opspec import PACKED_ROWS
 
-from . import PACKED_ROWS
 from .common import apply_unroll
 
 defaults = {"unroll": 0}

@@ -20,8 +20,8 @@ from tvm import s_tir
 
 from tvm_flash.kernels.common import TileConfig
 from tvm_flash.key import KernelKey
+from tvm_flash.opspec import PACKED_ROWS
 
-from . import PACKED_ROWS
 from .common import apply_unroll, has_block, pad_rows, set_scopes
 
 THREADS = 128

@@ -10,6 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 
+PACKED_ROWS = 8
+"""Query rows of a short-query (packed-row) tile on every target: the queries of a GQA group
+packed into one tile (a decode step of 8 heads, or 8 queries of one head). The schedules ask
+the factories for tiles of this many rows; the binding sizes its key splits by it
+(``tvm_flash.plan.num_splits``). Here, with the ops, so that the binding reads it without
+importing the schedules (loading runs no build code)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:

@@ -26,9 +26,10 @@ import threading
 
 import torch
 
-from . import _schedules_path, artifacts
+from . import artifacts
 from .artifacts import kernel
 from .key import KernelKey
+from .opspec import PACKED_ROWS
 from .target import target_tag_for_device
 
 # ------------------------------------------------------------------- short-query policy
@@ -41,9 +42,6 @@ tiled kernels. Set from the H200 crossover (docs/perf.md, "Short queries"): the 
 Lq = 16."""
 KEYS_PER_SPLIT_MIN = 256
 """A key split is never shorter than this (fewer, longer splits merge cheaper)."""
-PACKED_ROWS = _schedules_path.load().PACKED_ROWS
-"""Rows of a short-query tile: the schedules' choice (``schedules.PACKED_ROWS``), read from
-there; it only sizes the grid in :func:`num_splits`."""
 
 
 def is_short(lq: int) -> bool:
