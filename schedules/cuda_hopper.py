@@ -1,4 +1,5 @@
-"""CUDA sm_90a (Hopper, fp16/bf16): the forward on ``wgmma`` with TMA loads on mbarriers.
+"""CUDA sm_90a (Hopper, fp16/bf16): forward, dQ and dK/dV on ``wgmma`` with TMA loads on
+mbarriers.
 
 Why a second CUDA family: ``mma.sync`` (:mod:`.cuda_mma`) issues one 16x8x16 product per warp
 and instruction and feeds it from registers that ``ldmatrix`` fills; on Hopper that path tops
@@ -37,6 +38,18 @@ Per block: a producer warpgroup and ``consumers`` warpgroups of 64 query rows ea
 A lane ``4 g + t`` of warp ``w`` of a warpgroup holds rows ``16 w + g`` and ``16 w + g + 8`` of
 the warpgroup's 64, columns ``8 j + 2 t + {0, 1}`` for every n8 chunk ``j``: the ``mma.sync``
 accumulator layout per warp, so the row statistics take two shuffles, as in :mod:`.cuda_mma`.
+
+The backward keeps the ``mma.sync`` one's split into a dQ and a dK/dV kernel (:func:`flash_dq`,
+:func:`flash_dkv`: every output element has one writer, so the gradients are deterministic with
+no atomics, where FlashAttention-3's single kernel adds dQ up atomically or in a fixed order
+behind semaphores) on the same machinery: the products whose both operands are tiles (S, dP and
+their transposes) read shared memory K-major; those with P or dS as A (dQ += dS K, dV += P^T dO,
+dK += dS^T Q) take it from registers, rounded in the order of the accumulator it came from, and
+read the other operand MN-major, as P V does V. Descriptor strides, in 16-byte units, for a tile
+of ``R`` rows stored as atoms of ``ROW`` units a row: K-major LBO 1 (unused by the swizzled
+layouts), SBO ``8 ROW`` (the next 8 rows), a k16 step +2 within an atom and ``R ROW`` to the
+next atom; MN-major LBO ``R ROW`` (the next atom of columns), SBO ``8 ROW``, a k16 step ``16
+ROW`` (16 rows).
 """
 
 from __future__ import annotations
@@ -69,6 +82,7 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 OP_HEAD_DIMS = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": (32, 64, 96, 128, 160, 192)}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
 _TMA = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_TMA_1D = "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes"
 # ``asm volatile("" : "+f"(r))``: pins an accumulator register in place around wgmma's
 # asynchronous writes, so the compiler neither reads it before ``wait_group`` nor moves a write
 # of it past ``fence`` (TVM 0.27's ``T.cuda.wgmma.noop_barrier`` is broken: shared/hopper/NOTES).
@@ -111,8 +125,8 @@ class HopperTile:
             tiles = 2 * d * (self.rows + 2 * self.stages * self.step)
         else:
             tiles = 2 * d * (2 * self.rows + 2 * self.stages * self.step)
-            if op == "dkv":
-                tiles += self.stages * 2 * self.step * 4
+            if op == "dkv":  # LSE and Delta rows, 128-byte aligned for TMA
+                tiles += self.stages * 2 * (self.step * 4 + 127) // 128 * 128
         return tiles + 1024
 
     def tile_config(self, op: str) -> TileConfig:
@@ -155,9 +169,10 @@ def _dq_tile(d: int) -> HopperTile:
 
 
 def _dkv_tile(d: int) -> HopperTile:
-    """dK/dV: 128 keys, two stages; 64-query steps up to D 128 (ptxas: 232 registers at
-    D 128), 32 at D 160 (224), 16 at D 192 (236), as dK and dV take D of a thread's 240
-    registers. Chosen by register fit, not yet measured."""
+    """dK/dV: 128 keys, two stages; 64-query steps up to D 128 (the highest register the
+    consumers touch, in ptxas's code: 235 of 240 at D 128), 32 at D 160 (225), 16 at D 192
+    (236), as dK and dV take D of a thread's 240 registers. Chosen by register fit, not yet
+    measured."""
     return HopperTile(step=64 if d <= 128 else 32 if d == 160 else 16)
 
 
@@ -465,12 +480,6 @@ def kernel(key: KernelKey, tile_override: HopperTile | None = None):
 # has exactly one writer: no atomics, the same bits on every run.
 
 
-# the producer of the backward kernels keeps 32 registers (the forward's keeps 24): its
-# per-step coordinates and, in dK/dV, the LSE/Delta loads need them, and 2 x 240 + 32 still
-# fill the 64 Ki of an SM with 128-thread warpgroups
-REGS_PRODUCER_BWD = 32
-
-
 def _tmap(m, dtype, buf, d, length, heads, batch, sl, sh, sb, box_cols, box_rows, swizzle):
     """Encode the 4-D tensor map ``m`` (head dim, length, heads, batch; strides in elements)
     of a (B, H, L, D) tensor read in boxes of ``box_rows`` rows x ``box_cols`` columns."""
@@ -513,7 +522,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     FULL, EMPTY = 1, 1 + ST
     pool_bytes = bar_off + 8 * NB
     kt_ldo, kt_sdo = BK * ROW, 8 * ROW  # K read MN-major (dQ += dS K), as V in the forward
-    regs_consumer = min(240, (65536 // WG - REGS_PRODUCER_BWD) // NC // 8 * 8)
+    regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
 
     @T.macro
     def issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, js, jd, do_sd: bool,
@@ -636,7 +645,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         T.cuda.cta_sync()
 
         if tx < WG:  # ------------------------------------------------------------ producer
-            T.ptx.setmaxnreg.dec.sync.aligned.u32(REGS_PRODUCER_BWD)
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0:
                 T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
                                                            T.uint32(2 * q_bytes))
@@ -729,14 +738,15 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     walks, in a fixed order, every query tile of every query head of the GQA group that sees
     them (``tile.step`` queries a step): one writer per output element, no atomics.
 
-    The producer loads K and V once and each step's Q and dO tiles into a ring of
-    ``tile.stages`` stages; its second warp writes the step's LSE (+inf for a row past the end
-    or without keys, hence P = 0) and Delta into shared memory beside them and arrives on the
-    same "full" mbarrier as the copies. Consumer step: S^T = K Q^T and dP^T = V dO^T (shared
-    memory, K-major; two commit groups); once S^T is complete, P^T from the LSE of each column
-    (query), rounded, and dV += P^T dO issued (P^T from registers, dO read MN-major) while
-    dP^T runs on; once dP^T is complete, dS^T = P^T (dP^T - Delta) rounded and dK += dS^T Q
-    issued (Q MN-major); once both are complete one lane per warp releases the stage (every
+    The producer loads K and V once and each step's Q and dO tiles, with their rows of LSE and
+    Delta, into a ring of ``tile.stages`` stages. LSE and Delta are read as one flat array each
+    (a rank-1 tensor map: no stride to align, whatever Lq): the rows of a tile past the sequence
+    end then hold another head's statistics (or zeros past the array), but their Q and dO rows
+    are zero, so they add nothing to dK and dV. Consumer step: S^T = K Q^T and dP^T = V dO^T
+    (shared memory, K-major; two commit groups); once S^T is complete, P^T from the LSE of each
+    column (query), rounded, and dV += P^T dO issued (P^T from registers, dO read MN-major)
+    while dP^T runs on; once dP^T is complete, dS^T = P^T (dP^T - Delta) rounded and dK += dS^T
+    Q issued (Q MN-major); once both are complete one lane per warp releases the stage (every
     lane of its warp has read the stage's LSE and Delta by then)."""
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
     BN, BQ, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
@@ -754,12 +764,13 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     q_off = 2 * k_bytes
     do_off = q_off + ST * q_bytes
     stat_off = do_off + ST * q_bytes
-    bar_off = stat_off + ST * 2 * BQ * 4
+    SR = (BQ * 4 + 127) // 128 * 32  # floats between statistics rows (TMA: 128-byte aligned)
+    bar_off = stat_off + ST * 2 * SR * 4
     NB = 1 + 2 * ST  # K and V; full, empty per stage
     FULL, EMPTY = 1, 1 + ST
     pool_bytes = bar_off + 8 * NB
     qt_ldo, qt_sdo = BQ * ROW, 8 * ROW  # Q and dO read MN-major (dK += dS^T Q, dV += P^T dO)
-    regs_consumer = min(240, (65536 // WG - REGS_PRODUCER_BWD) // NC // 8 * 8)
+    regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
 
     @T.macro
     def step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo, bqt,
@@ -791,12 +802,14 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         # element e: key row ``key_row + e % 4 // 2 * 8``, query column ``q0 + col(e)``
         for e in T.unroll(NS * 4):
             st[e] = T.cast(T.cast(_prob(st[e], scale,
-                                        stats[sg, e // 4 * 8 + lane % 4 * 2 + e % 2], False),
+                                        stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2]),
                                   dtype), F32)
         if _mask_needed(causal, row0, 64, q0, BQ, Lq, Lq, Lk, transposed=True):
+            # and the columns past Lq: their LSE is another row's, which must not leak a NaN
             for e in T.unroll(NS * 4):
-                if not visible(causal, q0 + e // 4 * 8 + lane % 4 * 2 + e % 2,
-                               key_row + e % 4 // 2 * 8, Lq, Lk):
+                if T.Or(q0 + e // 4 * 8 + lane % 4 * 2 + e % 2 >= Lq,
+                        not visible(causal, q0 + e // 4 * 8 + lane % 4 * 2 + e % 2,
+                                    key_row + e % 4 // 2 * 8, Lq, Lk)):
                     st[e] = T.float32(0)
         for e in T.unroll(NS * 4):
             p[e] = T.cast(st[e], dtype)
@@ -810,9 +823,15 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         T.ptx.wgmma.commit_group.sync.aligned()
         T.ptx.wgmma.wait_group.sync.aligned(1)  # dP^T done; dV += P^T dO may run on
         pin(dpt, NS * 4)
-        for e in T.unroll(NS * 4):
-            ds[e] = T.cast(st[e] * (dpt[e] - stats[sg, BQ + e // 4 * 8 + lane % 4 * 2 + e % 2]),
-                           dtype)
+        if q0 + BQ > Lq:  # the columns past Lq read another row's Delta: take 0 there
+            for e in T.unroll(NS * 4):
+                ds[e] = T.cast(st[e] * (dpt[e] - T.if_then_else(
+                    q0 + e // 4 * 8 + lane % 4 * 2 + e % 2 < Lq,
+                    stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2], T.float32(0))), dtype)
+        else:
+            for e in T.unroll(NS * 4):
+                ds[e] = T.cast(st[e] * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2]),
+                               dtype)
         pin_u32(dsw, NS * 2)
         pin(dk, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
@@ -865,8 +884,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=(kb, kh, kl, 1), align=16)
         V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=(vb, vh, vl, 1), align=16)
         dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=(gb, gh, gl, 1), align=16)
-        LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
-        Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
+        LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32, align=16)
+        Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32, align=16)
         dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype, strides=(kob, koh, kol, 1), align=16)
         dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype, strides=(vob, voh, vol, 1), align=16)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -877,6 +896,13 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         _tmap(kmap, dtype, K, D, Lk, Hkv, B, kl, kh, kb, ATOM, BN, SW)
         vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(vmap, dtype, V, D, Lk, Hkv, B, vl, vh, vb, ATOM, BN, SW)
+        # LSE and Delta as flat arrays, BQ rows a box (rank 1: no stride, no swizzle)
+        lmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", lmap, F32, 1, LSE.data, B * Hq * Lq,
+                      BQ, 1, 0, 0, 2, 0)
+        dmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", dmap, F32, 1, Delta.data, B * Hq * Lq,
+                      BQ, 1, 0, 0, 2, 0)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
         nkt = T.meta_var(T.ceildiv(Lk, BN))
@@ -891,8 +917,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                            scope="shared.dyn")
         dOs = T.decl_buffer((ST, NA, BQ, ATOM), dtype, data=pool.data, elem_offset=do_off // 2,
                             scope="shared.dyn")
-        stats = T.decl_buffer((ST, 2 * BQ), F32, data=pool.data, elem_offset=stat_off // 4,
-                              scope="shared.dyn")  # LSE, then Delta, of the stage's queries
+        stats = T.decl_buffer((ST, 2, SR), F32, data=pool.data, elem_offset=stat_off // 4,
+                              scope="shared.dyn")  # LSE, Delta of the stage's queries
         bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
                              scope="shared.dyn")
         dKf = T.decl_buffer((B * kob,), dtype, data=dK.data)
@@ -914,12 +940,12 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             for i in T.unroll(NB):
                 T.ptx.mbarrier.init.shared.b64(
                     T.address_of(bars[i]),
-                    T.uint32(1 if i == 0 else 1 + 32 if i < EMPTY else 4 * NC))
+                    T.uint32(1 if i < EMPTY else 4 * NC))
             T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
 
         if tx < WG:  # ------------------------------------------------------------ producer
-            T.ptx.setmaxnreg.dec.sync.aligned.u32(REGS_PRODUCER_BWD)
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0:
                 if c[5] > 0:
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
@@ -937,7 +963,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                         T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + i % ST]),
                                              (i // ST - 1) % 2)
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(
-                        T.address_of(bars[FULL + i % ST]), T.uint32(2 * q_bytes))
+                        T.address_of(bars[FULL + i % ST]), T.uint32(2 * q_bytes + 2 * BQ * 4))
                     for a in T.unroll(NA):
                         T.ptx[_TMA](T.address_of(Qs[i % ST, a, 0, 0]), T.address_of(qmap),
                                     a * ATOM, T.cast(w[0], "int32"), T.cast(w[1], "int32"),
@@ -945,27 +971,11 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                         T.ptx[_TMA](T.address_of(dOs[i % ST, a, 0, 0]), T.address_of(domap),
                                     a * ATOM, T.cast(w[0], "int32"), T.cast(w[1], "int32"),
                                     T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
-                    advance(w, c, Lq)
-            elif tx // 32 == 1:  # the statistics warp
-                lane = T.meta_var(tx % 32)
-                first(w, c)
-                for i in T.serial(c[5]):
-                    if i >= ST:
-                        T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + i % ST]),
-                                             (i // ST - 1) % 2)
-                    for e in T.unroll(2 * BQ // 32):
-                        r = T.meta_var(e * 32 + lane)  # < BQ: LSE of row r, else Delta
-                        q = T.meta_var(w[0] + r % BQ)
-                        if q < Lq:
-                            if r < BQ:
-                                stats[i % ST, r] = T.if_then_else(
-                                    LSE[c[0], w[1], q] == neg_inf(), pos_inf(),
-                                    LSE[c[0], w[1], q])
-                            else:
-                                stats[i % ST, r] = Delta[c[0], w[1], q]
-                        else:
-                            stats[i % ST, r] = T.if_then_else(r < BQ, pos_inf(), T.float32(0))
-                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[FULL + i % ST]))
+                    flat = T.meta_var(T.cast((c[0] * Hq + w[1]) * Lq + w[0], "int32"))
+                    T.ptx[_TMA_1D](T.address_of(stats[i % ST, 0, 0]), T.address_of(lmap), flat,
+                                   T.address_of(bars[FULL + i % ST]))
+                    T.ptx[_TMA_1D](T.address_of(stats[i % ST, 1, 0]), T.address_of(dmap), flat,
+                                   T.address_of(bars[FULL + i % ST]))
                     advance(w, c, Lq)
         else:  # ------------------------------------------------------------------ consumers
             T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)
