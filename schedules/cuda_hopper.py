@@ -1,4 +1,5 @@
-"""CUDA sm_90a (Hopper, fp16/bf16): the forward on ``wgmma`` with TMA loads on mbarriers.
+"""CUDA sm_90a (Hopper, fp16/bf16): forward, dQ and dK/dV on ``wgmma`` with TMA loads on
+mbarriers.
 
 Why a second CUDA family: ``mma.sync`` (:mod:`.cuda_mma`) issues one 16x8x16 product per warp
 and instruction and feeds it from registers that ``ldmatrix`` fills; on Hopper that path tops
@@ -37,6 +38,18 @@ Per block: a producer warpgroup and ``consumers`` warpgroups of 64 query rows ea
 A lane ``4 g + t`` of warp ``w`` of a warpgroup holds rows ``16 w + g`` and ``16 w + g + 8`` of
 the warpgroup's 64, columns ``8 j + 2 t + {0, 1}`` for every n8 chunk ``j``: the ``mma.sync``
 accumulator layout per warp, so the row statistics take two shuffles, as in :mod:`.cuda_mma`.
+
+The backward keeps the ``mma.sync`` one's split into a dQ and a dK/dV kernel (:func:`flash_dq`,
+:func:`flash_dkv`: every output element has one writer, so the gradients are deterministic with
+no atomics, where FlashAttention-3's single kernel adds dQ up atomically or in a fixed order
+behind semaphores) on the same machinery: the products whose both operands are tiles (S, dP and
+their transposes) read shared memory K-major; those with P or dS as A (dQ += dS K, dV += P^T dO,
+dK += dS^T Q) take it from registers, rounded in the order of the accumulator it came from, and
+read the other operand MN-major, as P V does V. Descriptor strides, in 16-byte units, for a tile
+of ``R`` rows stored as atoms of ``ROW`` units a row: K-major LBO 1 (unused by the swizzled
+layouts), SBO ``8 ROW`` (the next 8 rows), a k16 step +2 within an atom and ``R ROW`` to the
+next atom; MN-major LBO ``R ROW`` (the next atom of columns), SBO ``8 ROW``, a k16 step ``16
+ROW`` (16 rows).
 """
 
 from __future__ import annotations
@@ -49,6 +62,7 @@ from tvm_flash.kernels.common import (
     LOG2E,
     TileConfig,
     exp2_clamped,
+    first_query_tile,
     neg_inf,
     num_key_tiles,
     row_lse,
@@ -56,14 +70,27 @@ from tvm_flash.kernels.common import (
 )
 from tvm_flash.key import KernelKey
 
-from .cuda_mma import _block_order, _lane_row, _mask_needed, _require_vector_rows, _row_tree
+from .cuda_mma import (
+    _block_order,
+    _lane_row,
+    _mask_needed,
+    _prob,
+    _require_vector_rows,
+    _row_tree,
+    pos_inf,
+)
 
 F32 = "float32"
 WG = 128  # threads of a warpgroup
-OPS = ("fwd",)
+OPS = ("fwd", "dq", "dkv")
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+# per op, the head dims served: a dK/dV thread holds both D / 2-register sums (D 192: 192 of
+# its 240) beside S^T and dP^T, which leaves no room above D 192 (those keys stay on the SIMT
+# schedule, as before)
+OP_HEAD_DIMS = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": (32, 64, 96, 128, 160, 192)}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
 _TMA = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_TMA_1D = "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes"
 # ``asm volatile("" : "+f"(r))``: pins an accumulator register in place around wgmma's
 # asynchronous writes, so the compiler neither reads it before ``wait_group`` nor moves a write
 # of it past ``fence`` (TVM 0.27's ``T.cuda.wgmma.noop_barrier`` is broken: shared/hopper/NOTES).
@@ -81,8 +108,10 @@ def atom(d: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class HopperTile:
-    """``consumers`` warpgroups of 64 query rows (plus the producer warpgroup); ``step`` keys
-    per loop step; ``stages`` K/V buffers in the TMA ring."""
+    """``consumers`` warpgroups of 64 rows each (plus the producer warpgroup); ``step`` rows of
+    the other side per loop step; ``stages`` buffers in the TMA ring. Forward and dQ: the rows
+    are queries, a step walks keys (K/V in the ring); dK/dV: the rows are keys, a step walks
+    queries (Q/dO and their LSE/Delta in the ring)."""
 
     consumers: int = 2
     step: int = 128
@@ -96,12 +125,21 @@ class HopperTile:
     def threads(self) -> int:
         return WG * (self.consumers + 1)
 
-    def smem_bytes(self, d: int) -> int:
-        """Q tile + the K/V ring + 8 bytes per mbarrier (rounded to 1 KiB)."""
-        tiles = 2 * d * (self.rows + 2 * self.stages * self.step)
+    def smem_bytes(self, d: int, op: str = "fwd") -> int:
+        """Forward: Q tile + the K/V ring; dQ: Q and dO tiles + the K/V ring; dK/dV: K and V
+        tiles + the Q/dO ring and its LSE/Delta; + 8 bytes per mbarrier (rounded to 1 KiB)."""
+        if op == "fwd":
+            tiles = 2 * d * (self.rows + 2 * self.stages * self.step)
+        else:
+            tiles = 2 * d * (2 * self.rows + 2 * self.stages * self.step)
+            if op == "dkv":  # LSE and Delta rows, 128-byte aligned for TMA
+                tiles += self.stages * 2 * (self.step * 4 + 127) // 128 * 128
         return tiles + 1024
 
     def tile_config(self, op: str) -> TileConfig:
+        """As a (block_q, block_k) :class:`TileConfig` (names artifacts and tuning logs)."""
+        if op == "dkv":
+            return TileConfig(self.step, self.rows)
         return TileConfig(self.rows, self.step)
 
 
@@ -109,8 +147,9 @@ SMEM_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory with the opt-i
 
 
 def supports(key: KernelKey) -> bool:
-    """Whether ``key`` runs on these kernels: the forward, fp16/bf16, D in HEAD_DIMS, sm_90a."""
-    return (key.op in OPS and key.dtype in _PTX and key.head_dim in HEAD_DIMS
+    """Whether ``key`` runs on these kernels: forward, dQ or dK/dV, fp16/bf16, sm_90a, a head
+    dim in ``OP_HEAD_DIMS`` of its op (every causal mode and GQA group)."""
+    return (key.op in OPS and key.dtype in _PTX and key.head_dim in OP_HEAD_DIMS[key.op]
             and key.target == "cuda-sm_90a")
 
 
@@ -121,7 +160,27 @@ def tile(key: KernelKey) -> HopperTile:
     forward"): at D 128 bf16 N 4096 532 TFLOP/s against 523 with three stages, 532 with
     176-key steps (which spill) and 432 for the best tile without the producer warpgroup."""
     d = key.head_dim
+    if key.op == "dq":
+        return _dq_tile(d)
+    if key.op == "dkv":
+        return _dkv_tile(d)
     return HopperTile(step=128 if d <= 160 else 96 if d == 192 else 64)
+
+
+def _dq_tile(d: int) -> HopperTile:
+    """dQ: 128 query rows, two stages; 128-key steps up to D 64, where S and dP (BK / 2
+    registers each) and dS's words (BK / 4) fit beside dQ's D / 2 (ptxas: 222 registers at
+    D 64); 64 up to D 192; 32 above, where the Q and dO tiles (56-64 KiB each) leave room for
+    no more of the K/V ring. Chosen by register and shared-memory fit, not yet measured."""
+    return HopperTile(step=128 if d <= 64 else 64 if d <= 192 else 32)
+
+
+def _dkv_tile(d: int) -> HopperTile:
+    """dK/dV: 128 keys, two stages; 64-query steps up to D 128 (the highest register the
+    consumers touch, in ptxas's code: 235 of 240 at D 128), 32 at D 160 (225), 16 at D 192
+    (236), as dK and dV take D of a thread's 240 registers. Chosen by register fit, not yet
+    measured."""
+    return HopperTile(step=64 if d <= 128 else 32 if d == 160 else 16)
 
 
 @T.macro
@@ -154,6 +213,16 @@ def _tma_strides(buf):
     heads = T.if_then_else(h == 1, rows * length, sh)
     batches = T.if_then_else(b == 1, heads * h, sb)
     return rows * 2, heads * 2, batches * 2
+
+
+def _tmap(m, buf, box_cols: int, box_rows: int, swizzle: int):
+    """Encode the 4-D tensor map ``m`` (head dim, length, heads, batch) of the (B, H, L, D)
+    tensor ``buf``, read in boxes of ``box_rows`` rows x ``box_cols`` columns: no interleave,
+    the given swizzle, 128-byte L2 promotion, zero fill out of bounds."""
+    b, h, length, d = buf.shape
+    return T.call_packed("runtime.cuTensorMapEncodeTiled", m, buf.dtype, 4, buf.data, d, length,
+                         h, b, *_tma_strides(buf), box_cols, box_rows, 1, 1, 1, 1, 1, 1, 0,
+                         swizzle, 2, 0)
 
 
 def _desc(d, ptr, ldo: int, sdo: int, swizzle: int):
@@ -289,14 +358,11 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         Sinks = T.match_buffer(sinks_h, (Hq,), F32)
         _require_vector_rows("flash_fwd", Q, K, V, O)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", qmap, dtype, 4, Q.data, D, Lq, Hq, B,
-                      *_tma_strides(Q), ATOM, BM, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
+        _tmap(qmap, Q, ATOM, BM, SW)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", kmap, dtype, 4, K.data, D, Lk, Hkv, B,
-                      *_tma_strides(K), ATOM, BK, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
+        _tmap(kmap, K, ATOM, BK, SW)
         vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", vmap, dtype, 4, V.data, D, Lk, Hkv, B,
-                      *_tma_strides(V), ATOM, BK, 1, 1, 1, 1, 1, 1, 0, SW, 2, 0)
+        _tmap(vmap, V, ATOM, BK, SW)
         T.device_entry()
         # one block per SM: the register cap that setmaxnreg redistributes
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
@@ -414,7 +480,551 @@ def kernel(key: KernelKey, tile_override: HopperTile | None = None):
     if not supports(key):
         raise ValueError(f"{key.name}: not a Hopper kernel key")
     chosen = tile_override or tile(key)
-    if chosen.smem_bytes(key.head_dim) > SMEM_LIMIT:
-        raise ValueError(f"{key.name}: tile {chosen} needs {chosen.smem_bytes(key.head_dim)} "
-                         f"bytes of shared memory, more than {SMEM_LIMIT}")
-    return flash_forward(key, chosen)
+    if chosen.step % 16:
+        raise ValueError(f"{key.name}: tile {chosen}: the step must be a multiple of 16 rows")
+    if chosen.smem_bytes(key.head_dim, key.op) > SMEM_LIMIT:
+        raise ValueError(f"{key.name}: tile {chosen} needs "
+                         f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "
+                         f"more than {SMEM_LIMIT}")
+    return KERNELS[key.op](key, chosen)
+
+
+# --------------------------------------------------------------------------------- backward
+# The maths of ``kernels.backward`` and of the ``mma.sync`` backward (P recomputed from the LSE
+# with the clamped exp2, 0 where masked or where the row saw no key; dS = P (dP - Delta); P and
+# dS rounded to the input dtype before their products; dQ and dK scaled by ``scale`` on the
+# way out), split as there into a dQ kernel and a dK/dV kernel so that every output element
+# has exactly one writer: no atomics, the same bits on every run.
+
+
+def flash_dq(key: KernelKey, tile: HopperTile):
+    """``flash_dq(q, k, v, do, lse, delta, dq, scale)``: a block owns ``tile.rows`` query rows
+    (64 per consumer warpgroup) of one query head and walks the key tiles its rows see.
+
+    The producer loads the Q and dO tiles once and K_j and V_j (``tile.step`` keys) into a ring
+    of ``tile.stages`` stages, one "full" and one "empty" mbarrier per stage. Consumer step
+    ``j``: S_j = Q K_j^T and dP_j = dO V_j^T (both operands from shared memory, K-major: V's
+    rows are keys like K's), then dQ += dS_{j-1} K_{j-1} (dS from registers in the A layout,
+    K read MN-major as V is in the forward's P V) — three commit groups in flight together;
+    P_j from the LSE once S_j is complete, dS_j = P_j (dP_j - Delta) once dP_j is, and only
+    once dQ += dS_{j-1} K_{j-1} is complete are dS_j's rounded words written over those it
+    read and the stage of K_{j-1}, V_{j-1} released. The first and last steps are peeled (no
+    branch around a wgmma in the loop). LSE and Delta of the thread's two rows stay in
+    registers; a row past the end or without any key gets LSE = +inf, hence P = 0."""
+    D, dtype, causal = key.head_dim, key.dtype, key.causal
+    BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
+    NT = tile.threads
+    ATOM = atom(D)
+    NA, KA = D // ATOM, ATOM // 16
+    ROW = ATOM * 2 // 16
+    SW = SWIZZLE[ATOM * 2]
+    NS, NO = BK // 8, D // 8
+    ab = _PTX[dtype]
+    mma_s = f"wgmma.mma_async.sync.aligned.m64n{BK}k16.f32.{ab}.{ab}"
+    mma_o = f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"
+    q_bytes, kv_bytes = BM * D * 2, BK * D * 2
+    do_off = q_bytes
+    k_off = 2 * q_bytes
+    v_off = k_off + ST * kv_bytes
+    bar_off = v_off + ST * kv_bytes
+    NB = 1 + 2 * ST  # Q and dO; full, empty per stage
+    FULL, EMPTY = 1, 1 + ST
+    pool_bytes = bar_off + 8 * NB
+    kt_ldo, kt_sdo = BK * ROW, 8 * ROW  # K read MN-major (dQ += dS K), as V in the forward
+    regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
+
+    @T.macro
+    def issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, js, jd, do_sd: bool,
+              do_dq: bool):
+        """Issue S_js = Q K_js^T, dP_js = dO V_js^T (once their stage has arrived; one commit
+        group each) and/or dQ += dS_jd K_jd (one group), behind one fence, with nothing in
+        flight."""
+        if do_sd:
+            _desc(dk[0], T.address_of(Ks[js % ST, 0, 0, 0]), 1, 8 * ROW, SW)
+            _desc(dv[0], T.address_of(Vs[js % ST, 0, 0, 0]), 1, 8 * ROW, SW)
+            T.cuda.mbarrier_wait(T.address_of(bars[FULL + js % ST]), js // ST % 2)
+        if do_dq:
+            _desc(dkt[0], T.address_of(Ks[jd % ST, 0, 0, 0]), kt_ldo, kt_sdo, SW)
+        pin(s, NS * 4)
+        pin(dp, NS * 4)
+        pin_u32(dsw, NS * 2)
+        pin(acc, NO * 4)
+        T.ptx.wgmma.fence.sync.aligned()
+        if do_sd:
+            for kk in T.unroll(D // 16):
+                T.ptx[mma_s](*[s[i] for i in range(NS * 4)],
+                             dqa[0] + T.uint64(kk // KA * BM * ROW + kk % KA * 2),
+                             dk[0] + T.uint64(kk // KA * BK * ROW + kk % KA * 2),
+                             T.bool(kk > 0), 1, 1, 0, 0)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            for kk in T.unroll(D // 16):
+                T.ptx[mma_s](*[dp[i] for i in range(NS * 4)],
+                             doa[0] + T.uint64(kk // KA * BM * ROW + kk % KA * 2),
+                             dv[0] + T.uint64(kk // KA * BK * ROW + kk % KA * 2),
+                             T.bool(kk > 0), 1, 1, 0, 0)
+            T.ptx.wgmma.commit_group.sync.aligned()
+        if do_dq:
+            for kk in T.unroll(BK // 16):
+                T.ptx[mma_o](*[acc[i] for i in range(NO * 4)],
+                             dsw[4 * kk], dsw[4 * kk + 1], dsw[4 * kk + 2], dsw[4 * kk + 3],
+                             dkt[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 1)
+            T.ptx.wgmma.commit_group.sync.aligned()
+
+    @T.macro
+    def grads(s, dp, ds, acc, lse, delta, bars, j, row0, row, lane, elected, scale, Lq, Lk,
+              dq_in_flight: bool):
+        """S_j and dP_j are in flight (and dQ += dS_{j-1} K_{j-1} after them): P_j in place
+        of S_j once S_j is complete, dS_j in place once dP_j is; once the dQ product is
+        complete, release stage j - 1 and round dS_j into the words it read."""
+        k0 = T.meta_var(j * BK)
+        T.ptx.wgmma.wait_group.sync.aligned(2 if dq_in_flight else 1)  # S_j done
+        pin(s, NS * 4)
+        for i in T.unroll(NS * 4):
+            s[i] = _prob(s[i], scale, lse[i % 4 // 2], False)
+        if _mask_needed(causal, row0, 64, k0, BK, Lk, Lq, Lk):
+            for i in T.unroll(NS * 4):
+                if not visible(causal, row + i % 4 // 2 * 8,
+                               k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq, Lk):
+                    s[i] = T.float32(0)
+        T.ptx.wgmma.wait_group.sync.aligned(1 if dq_in_flight else 0)  # dP_j done
+        pin(dp, NS * 4)
+        for i in T.unroll(NS * 4):
+            s[i] = s[i] * (dp[i] - delta[i % 4 // 2])
+        if dq_in_flight:
+            T.ptx.wgmma.wait_group.sync.aligned(0)  # dQ += dS_{j-1} K_{j-1} done
+            pin(acc, NO * 4)
+            if elected:
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + (j - 1) % ST]))
+        for i in T.unroll(NS * 4):
+            ds[i] = T.cast(s[i], dtype)
+
+    @T.prim_func
+    def flash_dq(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
+                 delta_h: T.handle, dq_h: T.handle, scale: T.float32):
+        T.func_attr({"global_symbol": "flash_dq", "tirx.noalias": True})
+        B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        qb, qh, ql, kb, kh, kl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        vb, vh, vl, ob, oh, ol = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        gb, gh, gl = T.int64(), T.int64(), T.int64()
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=(qb, qh, ql, 1), align=16)
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=(kb, kh, kl, 1), align=16)
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=(vb, vh, vl, 1), align=16)
+        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=(gb, gh, gl, 1), align=16)
+        LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
+        Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
+        dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype, strides=(ob, oh, ol, 1), align=16)
+        _require_vector_rows("flash_dq", Q, K, V, dO, dQ)
+        qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        _tmap(qmap, Q, ATOM, BM, SW)
+        domap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        _tmap(domap, dO, ATOM, BM, SW)
+        kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        _tmap(kmap, K, ATOM, BK, SW)
+        vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        _tmap(vmap, V, ATOM, BK, SW)
+        T.device_entry()
+        T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
+        nqt = T.meta_var(T.ceildiv(Lq, BM))
+        bx = T.cta_id([T.cast(B * Hq * nqt, "int32")])
+        tx = T.thread_id([NT])
+        pool = T.alloc_buffer((pool_bytes,), "uint8", scope="shared.dyn", align=1024)
+        Qs = T.decl_buffer((NA, BM, ATOM), dtype, data=pool.data, elem_offset=0,
+                           scope="shared.dyn")
+        dOs = T.decl_buffer((NA, BM, ATOM), dtype, data=pool.data, elem_offset=do_off // 2,
+                            scope="shared.dyn")
+        Ks = T.decl_buffer((ST, NA, BK, ATOM), dtype, data=pool.data, elem_offset=k_off // 2,
+                           scope="shared.dyn")
+        Vs = T.decl_buffer((ST, NA, BK, ATOM), dtype, data=pool.data, elem_offset=v_off // 2,
+                           scope="shared.dyn")
+        bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
+                             scope="shared.dyn")
+        dQf = T.decl_buffer((B * ob,), dtype, data=dQ.data)
+        c = T.alloc_buffer((5,), "int64", scope="local")  # b, h, kv head, q0, key tiles
+
+        t, bh = T.meta_var(_block_order(causal, T.cast(bx, "int64"), nqt, B * Hq))
+        c[3] = (nqt - 1 - t) * BM
+        c[0] = bh // Hq
+        c[1] = bh % Hq
+        c[2] = c[1] // key.group
+        c[4] = num_key_tiles(causal, c[3], BM, Lq, Lk, BK, T.int64(0), Lk)
+        if tx == 0:
+            for i in T.unroll(NB):
+                T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
+                                               T.uint32(1 if i < EMPTY else NC))
+            T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+
+        if tx < WG:  # ------------------------------------------------------------ producer
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
+            if tx == 0:
+                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
+                                                           T.uint32(2 * q_bytes))
+                for a in T.unroll(NA):
+                    T.ptx[_TMA](T.address_of(Qs[a, 0, 0]), T.address_of(qmap), a * ATOM,
+                                T.cast(c[3], "int32"), T.cast(c[1], "int32"),
+                                T.cast(c[0], "int32"), T.address_of(bars[0]))
+                    T.ptx[_TMA](T.address_of(dOs[a, 0, 0]), T.address_of(domap), a * ATOM,
+                                T.cast(c[3], "int32"), T.cast(c[1], "int32"),
+                                T.cast(c[0], "int32"), T.address_of(bars[0]))
+                for j in T.serial(c[4]):
+                    # a stage is refilled once both consumers' dQ += dS K of its last tile
+                    # completed
+                    if j >= ST:
+                        T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + j % ST]),
+                                             (j // ST - 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(
+                        T.address_of(bars[FULL + j % ST]), T.uint32(2 * kv_bytes))
+                    for a in T.unroll(NA):
+                        T.ptx[_TMA](T.address_of(Ks[j % ST, a, 0, 0]), T.address_of(kmap),
+                                    a * ATOM, T.cast(j * BK, "int32"), T.cast(c[2], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[FULL + j % ST]))
+                        T.ptx[_TMA](T.address_of(Vs[j % ST, a, 0, 0]), T.address_of(vmap),
+                                    a * ATOM, T.cast(j * BK, "int32"), T.cast(c[2], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[FULL + j % ST]))
+        else:  # ------------------------------------------------------------------ consumers
+            T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)
+            s = T.alloc_buffer((NS * 4,), F32, scope="local")
+            dp = T.alloc_buffer((NS * 4,), F32, scope="local")
+            ds = T.alloc_buffer((NS * 4,), dtype, scope="local")
+            dsw = T.decl_buffer((NS * 2,), "uint32", data=ds.data, scope="local")
+            acc = T.alloc_buffer((NO * 4,), F32, scope="local")
+            lse = T.alloc_buffer((2,), F32, scope="local")
+            delta = T.alloc_buffer((2,), F32, scope="local")
+            dqa = T.alloc_buffer((1,), "uint64", scope="local")
+            doa = T.alloc_buffer((1,), "uint64", scope="local")
+            dk = T.alloc_buffer((1,), "uint64", scope="local")
+            dv = T.alloc_buffer((1,), "uint64", scope="local")
+            dkt = T.alloc_buffer((1,), "uint64", scope="local")
+            cw = T.meta_var(tx // WG - 1)
+            lane = T.meta_var(tx % 32)
+            row0 = T.meta_var(c[3] + cw * 64)  # the warpgroup's first row
+            row = T.meta_var(row0 + tx % WG // 32 * 16 + lane // 4)  # + 8 r
+            elected = T.meta_var(tx % WG == 0)
+
+            for i in T.unroll(NO * 4):
+                acc[i] = T.float32(0)
+            for r in T.unroll(2):
+                # P = exp2(-inf) = 0 in rows past the end or without keys
+                lse[r] = pos_inf()
+                delta[r] = T.float32(0)
+                if row + r * 8 < Lq:
+                    lse[r] = LSE[c[0], c[1], row + r * 8]
+                    delta[r] = Delta[c[0], c[1], row + r * 8]
+                    if lse[r] == neg_inf():
+                        lse[r] = pos_inf()
+            _desc(dqa[0], T.address_of(Qs[0, cw * 64, 0]), 1, 8 * ROW, SW)
+            _desc(doa[0], T.address_of(dOs[0, cw * 64, 0]), 1, 8 * ROW, SW)
+            T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
+            n = T.meta_var(c[4])
+            if n > 0:
+                issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, T.int64(0),
+                      T.int64(0), True, False)
+                grads(s, dp, ds, acc, lse, delta, bars, T.int64(0), row0, row, lane, elected,
+                      scale, Lq, Lk, False)
+                for j in T.serial(n - 1):
+                    issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, j + 1, j, True,
+                          True)
+                    grads(s, dp, ds, acc, lse, delta, bars, j + 1, row0, row, lane, elected,
+                          scale, Lq, Lk, True)
+                issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, n - 1, n - 1, False,
+                      True)
+                T.ptx.wgmma.wait_group.sync.aligned(0)
+                pin(acc, NO * 4)
+
+            for r in T.unroll(2):
+                if row + r * 8 < Lq:
+                    for n in T.unroll(NO):
+                        for e in T.vectorized(2):
+                            dQf[c[0] * ob + c[1] * oh + (row + r * 8) * ol + n * 8
+                                + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e] * scale,
+                                                             dtype)
+
+    return flash_dq
+
+
+def flash_dkv(key: KernelKey, tile: HopperTile):
+    """``flash_dkv(q, k, v, do, lse, delta, dk, dv, scale)``: a block owns ``tile.rows`` keys
+    (64 per consumer warpgroup) of one key/value head, holds their dK and dV in registers and
+    walks, in a fixed order, every query tile of every query head of the GQA group that sees
+    them (``tile.step`` queries a step): one writer per output element, no atomics.
+
+    The producer loads K and V once and each step's Q and dO tiles, with their rows of LSE and
+    Delta, into a ring of ``tile.stages`` stages. LSE and Delta are read as one flat array each
+    (a rank-1 tensor map: no stride to align, whatever Lq): the rows of a tile past the sequence
+    end then hold another head's statistics (or zeros past the array), but their Q and dO rows
+    are zero, so they add nothing to dK and dV. Consumer step: S^T = K Q^T and dP^T = V dO^T
+    (shared memory, K-major; two commit groups); once S^T is complete, P^T from the LSE of each
+    column (query), rounded, and dV += P^T dO issued (P^T from registers, dO read MN-major)
+    while dP^T runs on; once dP^T is complete, dS^T = P^T (dP^T - Delta) rounded and dK += dS^T
+    Q issued (Q MN-major); once both are complete one lane per warp releases the stage (every
+    lane of its warp has read the stage's LSE and Delta by then)."""
+    D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
+    BN, BQ, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
+    NT = tile.threads
+    ATOM = atom(D)
+    NA, KA = D // ATOM, ATOM // 16
+    ROW = ATOM * 2 // 16
+    SW = SWIZZLE[ATOM * 2]
+    NS, NO = BQ // 8, D // 8
+    ab = _PTX[dtype]
+    mma_s = f"wgmma.mma_async.sync.aligned.m64n{BQ}k16.f32.{ab}.{ab}"
+    mma_o = f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"
+    k_bytes, q_bytes = BN * D * 2, BQ * D * 2
+    v_off = k_bytes
+    q_off = 2 * k_bytes
+    do_off = q_off + ST * q_bytes
+    stat_off = do_off + ST * q_bytes
+    SR = (BQ * 4 + 127) // 128 * 32  # floats between statistics rows (TMA: 128-byte aligned)
+    bar_off = stat_off + ST * 2 * SR * 4
+    NB = 1 + 2 * ST  # K and V; full, empty per stage
+    FULL, EMPTY = 1, 1 + ST
+    pool_bytes = bar_off + 8 * NB
+    qt_ldo, qt_sdo = BQ * ROW, 8 * ROW  # Q and dO read MN-major (dK += dS^T Q, dV += P^T dO)
+    regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
+
+    @T.macro
+    def step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo, bqt,
+             bdot, i, q0, key_row, row0, lane, scale, Lq, Lk):
+        """One query tile (step ``i``, rows from ``q0``): dV += P^T dO, dK += dS^T Q."""
+        sg = T.meta_var(i % ST)
+        _desc(bq[0], T.address_of(Qs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
+        _desc(bdo[0], T.address_of(dOs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
+        _desc(bqt[0], T.address_of(Qs[sg, 0, 0, 0]), qt_ldo, qt_sdo, SW)
+        _desc(bdot[0], T.address_of(dOs[sg, 0, 0, 0]), qt_ldo, qt_sdo, SW)
+        T.cuda.mbarrier_wait(T.address_of(bars[FULL + sg]), i // ST % 2)
+        pin(st, NS * 4)
+        pin(dpt, NS * 4)
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(D // 16):
+            T.ptx[mma_s](*[st[e] for e in range(NS * 4)],
+                         ka[0] + T.uint64(kk // KA * BN * ROW + kk % KA * 2),
+                         bq[0] + T.uint64(kk // KA * BQ * ROW + kk % KA * 2),
+                         T.bool(kk > 0), 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        for kk in T.unroll(D // 16):
+            T.ptx[mma_s](*[dpt[e] for e in range(NS * 4)],
+                         va[0] + T.uint64(kk // KA * BN * ROW + kk % KA * 2),
+                         bdo[0] + T.uint64(kk // KA * BQ * ROW + kk % KA * 2),
+                         T.bool(kk > 0), 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(1)  # S^T done
+        pin(st, NS * 4)
+        # element e: key row ``key_row + e % 4 // 2 * 8``, query column ``q0 + col(e)``
+        for e in T.unroll(NS * 4):
+            st[e] = T.cast(T.cast(_prob(st[e], scale,
+                                        stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2]),
+                                  dtype), F32)
+        if _mask_needed(causal, row0, 64, q0, BQ, Lq, Lq, Lk, transposed=True):
+            # and the columns past Lq: their LSE is another row's, which must not leak a NaN
+            for e in T.unroll(NS * 4):
+                if T.Or(q0 + e // 4 * 8 + lane % 4 * 2 + e % 2 >= Lq,
+                        not visible(causal, q0 + e // 4 * 8 + lane % 4 * 2 + e % 2,
+                                    key_row + e % 4 // 2 * 8, Lq, Lk)):
+                    st[e] = T.float32(0)
+        for e in T.unroll(NS * 4):
+            p[e] = T.cast(st[e], dtype)
+        pin_u32(pw, NS * 2)
+        pin(dv, NO * 4)
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(BQ // 16):
+            T.ptx[mma_o](*[dv[e] for e in range(NO * 4)],
+                         pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
+                         bdot[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 1)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(1)  # dP^T done; dV += P^T dO may run on
+        pin(dpt, NS * 4)
+        if q0 + BQ > Lq:  # the columns past Lq read another row's Delta: take 0 there
+            for e in T.unroll(NS * 4):
+                ds[e] = T.cast(st[e] * (dpt[e] - T.if_then_else(
+                    q0 + e // 4 * 8 + lane % 4 * 2 + e % 2 < Lq,
+                    stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2], T.float32(0))), dtype)
+        else:
+            for e in T.unroll(NS * 4):
+                ds[e] = T.cast(st[e] * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2]),
+                               dtype)
+        pin_u32(dsw, NS * 2)
+        pin(dk, NO * 4)
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(BQ // 16):
+            T.ptx[mma_o](*[dk[e] for e in range(NO * 4)],
+                         dsw[4 * kk], dsw[4 * kk + 1], dsw[4 * kk + 2], dsw[4 * kk + 3],
+                         bqt[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 1)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        T.ptx.wgmma.wait_group.sync.aligned(0)  # dV and dK done: the stage is free
+        pin(dv, NO * 4)
+        pin(dk, NO * 4)
+        if lane == 0:
+            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
+
+    @T.macro
+    def first(w, c):
+        """The first step: the first query tile that sees the keys, of the group's first
+        head."""
+        w[0] = c[3] * BQ
+        w[1] = c[1] * group
+
+    @T.macro
+    def advance(w, c, Lq):
+        """The next step: the next query tile, or the next head's first one."""
+        w[0] = w[0] + BQ
+        if w[0] >= Lq:
+            w[0] = c[3] * BQ
+            w[1] = w[1] + 1
+
+    @T.macro
+    def store(Out, Of, ob, oh, ol, acc, factor, c, key_row, lane, Lk):
+        for r in T.unroll(2):
+            if key_row + r * 8 < Lk:
+                for n in T.unroll(NO):
+                    for e in T.vectorized(2):
+                        Of[c[0] * ob + c[1] * oh + (key_row + r * 8) * ol + n * 8 + lane % 4 * 2
+                           + e] = T.cast(acc[n * 4 + r * 2 + e] * factor, dtype)
+
+    @T.prim_func
+    def flash_dkv(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle,
+                  lse_h: T.handle, delta_h: T.handle, dk_h: T.handle, dv_h: T.handle,
+                  scale: T.float32):
+        T.func_attr({"global_symbol": "flash_dkv", "tirx.noalias": True})
+        B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        qb, qh, ql, kb, kh, kl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        vb, vh, vl, gb, gh, gl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        kob, koh, kol, vob, voh, vol = (T.int64(), T.int64(), T.int64(), T.int64(), T.int64(),
+                                        T.int64())
+        Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=(qb, qh, ql, 1), align=16)
+        K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=(kb, kh, kl, 1), align=16)
+        V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=(vb, vh, vl, 1), align=16)
+        dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=(gb, gh, gl, 1), align=16)
+        LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32, align=16)
+        Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32, align=16)
+        dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype, strides=(kob, koh, kol, 1), align=16)
+        dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype, strides=(vob, voh, vol, 1), align=16)
+        _require_vector_rows("flash_dkv", Q, K, V, dO, dK, dV)
+        qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        _tmap(qmap, Q, ATOM, BQ, SW)
+        domap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        _tmap(domap, dO, ATOM, BQ, SW)
+        kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        _tmap(kmap, K, ATOM, BN, SW)
+        vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        _tmap(vmap, V, ATOM, BN, SW)
+        # LSE and Delta as flat arrays, BQ rows a box (rank 1: no stride, no swizzle)
+        lmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", lmap, F32, 1, LSE.data, B * Hq * Lq,
+                      BQ, 1, 0, 0, 2, 0)
+        dmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", dmap, F32, 1, Delta.data, B * Hq * Lq,
+                      BQ, 1, 0, 0, 2, 0)
+        T.device_entry()
+        T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
+        nkt = T.meta_var(T.ceildiv(Lk, BN))
+        bx = T.cta_id([T.cast(B * Hkv * nkt, "int32")])
+        tx = T.thread_id([NT])
+        pool = T.alloc_buffer((pool_bytes,), "uint8", scope="shared.dyn", align=1024)
+        Ks = T.decl_buffer((NA, BN, ATOM), dtype, data=pool.data, elem_offset=0,
+                           scope="shared.dyn")
+        Vs = T.decl_buffer((NA, BN, ATOM), dtype, data=pool.data, elem_offset=v_off // 2,
+                           scope="shared.dyn")
+        Qs = T.decl_buffer((ST, NA, BQ, ATOM), dtype, data=pool.data, elem_offset=q_off // 2,
+                           scope="shared.dyn")
+        dOs = T.decl_buffer((ST, NA, BQ, ATOM), dtype, data=pool.data, elem_offset=do_off // 2,
+                            scope="shared.dyn")
+        stats = T.decl_buffer((ST, 2, SR), F32, data=pool.data, elem_offset=stat_off // 4,
+                              scope="shared.dyn")  # LSE, Delta of the stage's queries
+        bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
+                             scope="shared.dyn")
+        dKf = T.decl_buffer((B * kob,), dtype, data=dK.data)
+        dVf = T.decl_buffer((B * vob,), dtype, data=dV.data)
+        # c: batch, kv head, first key, first query tile that sees it, query tiles per head,
+        # steps (query tiles x heads of the group)
+        c = T.alloc_buffer((6,), "int64", scope="local")
+        # w: the step's first query row and query head, advanced step by step (no division)
+        w = T.alloc_buffer((2,), "int64", scope="local")
+
+        t, bh = T.meta_var(_block_order(causal, T.cast(bx, "int64"), nkt, B * Hkv))
+        c[2] = t * BN  # causal: the keys seen by the most queries first
+        c[0] = bh // Hkv
+        c[1] = bh % Hkv
+        c[3] = first_query_tile(causal, c[2], Lq, Lk, BQ)
+        c[4] = T.ceildiv(Lq, BQ) - c[3]
+        c[5] = c[4] * group
+        if tx == 0:
+            for i in T.unroll(NB):
+                T.ptx.mbarrier.init.shared.b64(
+                    T.address_of(bars[i]),
+                    T.uint32(1 if i < EMPTY else 4 * NC))
+            T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+
+        if tx < WG:  # ------------------------------------------------------------ producer
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
+            if tx == 0:
+                if c[5] > 0:
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
+                                                               T.uint32(2 * k_bytes))
+                    for a in T.unroll(NA):
+                        T.ptx[_TMA](T.address_of(Ks[a, 0, 0]), T.address_of(kmap), a * ATOM,
+                                    T.cast(c[2], "int32"), T.cast(c[1], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+                        T.ptx[_TMA](T.address_of(Vs[a, 0, 0]), T.address_of(vmap), a * ATOM,
+                                    T.cast(c[2], "int32"), T.cast(c[1], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+                first(w, c)
+                for i in T.serial(c[5]):
+                    if i >= ST:
+                        T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + i % ST]),
+                                             (i // ST - 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(
+                        T.address_of(bars[FULL + i % ST]), T.uint32(2 * q_bytes + 2 * BQ * 4))
+                    for a in T.unroll(NA):
+                        T.ptx[_TMA](T.address_of(Qs[i % ST, a, 0, 0]), T.address_of(qmap),
+                                    a * ATOM, T.cast(w[0], "int32"), T.cast(w[1], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
+                        T.ptx[_TMA](T.address_of(dOs[i % ST, a, 0, 0]), T.address_of(domap),
+                                    a * ATOM, T.cast(w[0], "int32"), T.cast(w[1], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
+                    flat = T.meta_var(T.cast((c[0] * Hq + w[1]) * Lq + w[0], "int32"))
+                    T.ptx[_TMA_1D](T.address_of(stats[i % ST, 0, 0]), T.address_of(lmap), flat,
+                                   T.address_of(bars[FULL + i % ST]))
+                    T.ptx[_TMA_1D](T.address_of(stats[i % ST, 1, 0]), T.address_of(dmap), flat,
+                                   T.address_of(bars[FULL + i % ST]))
+                    advance(w, c, Lq)
+        else:  # ------------------------------------------------------------------ consumers
+            T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)
+            st = T.alloc_buffer((NS * 4,), F32, scope="local")
+            dpt = T.alloc_buffer((NS * 4,), F32, scope="local")
+            p = T.alloc_buffer((NS * 4,), dtype, scope="local")
+            pw = T.decl_buffer((NS * 2,), "uint32", data=p.data, scope="local")
+            ds = T.alloc_buffer((NS * 4,), dtype, scope="local")
+            dsw = T.decl_buffer((NS * 2,), "uint32", data=ds.data, scope="local")
+            dk = T.alloc_buffer((NO * 4,), F32, scope="local")
+            dv = T.alloc_buffer((NO * 4,), F32, scope="local")
+            ka = T.alloc_buffer((1,), "uint64", scope="local")
+            va = T.alloc_buffer((1,), "uint64", scope="local")
+            bq = T.alloc_buffer((1,), "uint64", scope="local")
+            bdo = T.alloc_buffer((1,), "uint64", scope="local")
+            bqt = T.alloc_buffer((1,), "uint64", scope="local")
+            bdot = T.alloc_buffer((1,), "uint64", scope="local")
+            cw = T.meta_var(tx // WG - 1)
+            lane = T.meta_var(tx % 32)
+            row0 = T.meta_var(c[2] + cw * 64)  # the warpgroup's first key
+            key_row = T.meta_var(row0 + tx % WG // 32 * 16 + lane // 4)  # + 8 r
+
+            for e in T.unroll(NO * 4):
+                dk[e] = T.float32(0)
+                dv[e] = T.float32(0)
+            if c[5] > 0:
+                _desc(ka[0], T.address_of(Ks[0, cw * 64, 0]), 1, 8 * ROW, SW)
+                _desc(va[0], T.address_of(Vs[0, cw * 64, 0]), 1, 8 * ROW, SW)
+                T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
+                first(w, c)
+                for i in T.serial(c[5]):
+                    step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo,
+                         bqt, bdot, i, w[0], key_row, row0, lane, scale, Lq, Lk)
+                    advance(w, c, Lq)
+            store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk)
+            store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk)
+
+    return flash_dkv
+
+
+KERNELS = {"fwd": flash_forward, "dq": flash_dq, "dkv": flash_dkv}

@@ -1,13 +1,23 @@
 #!/usr/bin/env python
-"""Build, check and time variants of the Hopper (sm_90a) forward on the local GPU.
+"""Build, check and time variants of the Hopper (sm_90a) kernels on the local GPU.
 
 Every variant is compiled in parallel (TVM + nvcc, ``--jobs``), checked against a float64
 reference on odd shapes (lengths 1, 7, 97, 300, 1025; GQA; every causal mode; sinks;
 (B, L, H, D) storage viewed as (B, H, L, D)) with NaN-poisoned outputs, and only then timed at
-B·N = 16k tokens, hidden 2048, side by side with torch SDPA's flash and cuDNN backends and the
-``mma.sync`` forward (``cuda-sm_90`` keys) in the same process.
+B·N = 16k tokens, hidden 2048, side by side in the same process with:
+
+* forward (``fwd``): torch SDPA's flash and cuDNN backends, and with ``--mma`` the
+  ``mma.sync`` forward (``cuda-sm_90`` keys);
+* dQ and dK/dV (``dq``, ``dkv``), each kernel alone: with ``--mma`` the ``mma.sync`` kernels of
+  the same key (where that family serves it). Their inputs LSE and Delta = rowsum(dO O) come
+  from the float64 reference; gradients must be within 3x the error of the same maths in the
+  input precision (torch autograd on ``attention_reference``) plus a floor, as in
+  tests/checks.py. TFLOP/s count the kernel's own GEMMs: dQ 3 (S, dP, dQ) = 6 B H N^2 D,
+  dK/dV 4 (S^T, dP^T, dV, dK) = 8 B H N^2 D, halved causal.
 
     python scripts/sweep_hopper.py --head-dims 64,128 --dtypes bf16 --out results.json
+    python scripts/sweep_hopper.py --ops dq,dkv --head-dims 64,128 --dtypes bf16,fp16 \
+        --seqlens 1024,4096 --mma
 """
 
 from __future__ import annotations
@@ -28,6 +38,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SHORT = {"bf16": "bfloat16", "fp16": "float16"}
+SYMBOL = {"fwd": "flash_fwd", "dq": "flash_dq", "dkv": "flash_dkv"}
+FLOOR = {"float16": 1e-3, "bfloat16": 1e-2}  # tests/checks.py's absolute floors
+GEMMS = {"fwd": 2, "dq": 3, "dkv": 4}  # each 2 B H N^2 D FLOP (halved causal)
+SHAPES = [(2, 2, 97, 97), (1, 1, 1025, 1025), (2, 1, 7, 300), (1, 2, 300, 7), (1, 1, 1, 1),
+          (1, 2, 128, 128), (1, 1, 257, 1000)]  # (B, Hkv, Lq, Lk)
 
 
 def _build(key, tile: dict | None, out: str):
@@ -58,17 +73,17 @@ def _build(key, tile: dict | None, out: str):
     stem = pathlib.Path(out) / hashlib.sha256(repr((key, tile)).encode()).hexdigest()[:16]
     built.export_library(f"{stem}.so")
     pathlib.Path(f"{stem}.{fmt}").write_bytes(code)
-    return f"{stem}.so", f"{stem}.{fmt}", hashlib.sha256(src.encode()).hexdigest()
+    return f"{stem}.so", f"{stem}.{fmt}", hashlib.sha256(src.encode()).hexdigest(), key.op
 
 
-def _load(so, code, sha):
+def _load(so, code, sha, op):
     import tvm_ffi
 
     from tvm_flash import artifacts
 
     artifacts._install_callback()
     artifacts._prebuilt[sha] = pathlib.Path(code).read_bytes()
-    return tvm_ffi.load_module(so)["flash_fwd"]
+    return tvm_ffi.load_module(so)[SYMBOL[op]]
 
 
 def _reference(q, k, v, causal, scale, sinks):
@@ -90,25 +105,32 @@ def _run(fn, q, k, v, sinks, scale):
     return out, lse
 
 
+def _tensor(b, h, n, d, dtype, device, layout, fill=None):
+    """A (B, H, N, D) tensor: random, or ``fill``; ``blhd``: (B, N, H, D) storage viewed as
+    (B, H, N, D)."""
+    import torch
+
+    shape = (b, n, h, d) if layout == "blhd" else (b, h, n, d)
+    t = (torch.randn(shape, dtype=dtype, device=device) if fill is None
+         else torch.full(shape, fill, dtype=dtype, device=device))
+    return t.transpose(1, 2) if layout == "blhd" else t
+
+
 def check(fn, key, device, strided: bool = True) -> tuple[bool, str]:
     """Max errors over the odd shapes, vs the same maths in the input precision."""
+    if key.op != "fwd":
+        return check_backward(fn, key, device, strided)
     import torch
 
     dtype = getattr(torch, key.dtype)
     g, d = key.group, key.head_dim
     worst, ok = 0.0, True
-    shapes = [(2, 2, 97, 97), (1, 1, 1025, 1025), (2, 1, 7, 300), (1, 2, 300, 7), (1, 1, 1, 1),
-              (1, 2, 128, 128), (1, 1, 257, 1000)]
-    for b, hkv, lq, lk in shapes:
+    for b, hkv, lq, lk in SHAPES:
         for layout in ("bhld", "blhd") if strided else ("bhld",):
             hq = hkv * g
-            if layout == "blhd":
-                q = torch.randn(b, lq, hq, d, dtype=dtype, device=device).transpose(1, 2)
-                k = torch.randn(b, lk, hkv, d, dtype=dtype, device=device).transpose(1, 2)
-                v = torch.randn(b, lk, hkv, d, dtype=dtype, device=device).transpose(1, 2)
-            else:
-                q, k, v = (torch.randn(b, h, n, d, dtype=dtype, device=device)
-                           for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+            q = _tensor(b, hq, lq, d, dtype, device, layout)
+            k = _tensor(b, hkv, lk, d, dtype, device, layout)
+            v = _tensor(b, hkv, lk, d, dtype, device, layout)
             sinks = torch.randn(hq, device=device) if key.sinks else None
             scale = 1 / math.sqrt(d)
             out, lse = _run(fn, q, k, v, sinks, scale)
@@ -130,6 +152,91 @@ def check(fn, key, device, strided: bool = True) -> tuple[bool, str]:
                       f" (base {base:.3g}), lse err {lerr:.3g}", flush=True)
             worst = max(worst, err if not math.isnan(err) else float("inf"))
     return ok, f"max out err {worst:.3g}"
+
+
+def _grads(q, k, v, do, causal, scale, dtype):
+    """Output, LSE and (dq, dk, dv) of ``attention_reference`` computed in ``dtype``."""
+    import torch
+
+    from tvm_flash import attention_reference
+
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = attention_reference(*leaves, causal=causal, scale=scale, dtype=dtype)
+    grads = torch.autograd.grad(out, leaves, do.to(dtype))
+    return out.detach(), lse.detach(), grads
+
+
+def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout):
+    """Call the dq or dkv kernel on NaN-poisoned outputs (in ``layout``); its gradients."""
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    if op == "dq":
+        dq = _tensor(b, hq, lq, d, q.dtype, q.device, layout, float("nan"))
+        fn(q, k, v, do, lse, delta, dq, scale)
+        return (dq,)
+    dk = _tensor(b, hkv, lk, d, q.dtype, q.device, layout, float("nan"))
+    dv = _tensor(b, hkv, lk, d, q.dtype, q.device, layout, float("nan"))
+    fn(q, k, v, do, lse, delta, dk, dv, scale)
+    return dk, dv
+
+
+def check_backward(fn, key, device, strided: bool = True) -> tuple[bool, str]:
+    """dq or dkv alone, fed the float64 reference's LSE and Delta = rowsum(dO O): its
+    gradients vs float64 within 3x the error of the same maths in the input precision + a
+    floor (tests/checks.py)."""
+    import torch
+
+    dtype = getattr(torch, key.dtype)
+    g, d = key.group, key.head_dim
+    names = ("dq",) if key.op == "dq" else ("dk", "dv")
+    worst, ok = 0.0, True
+    for b, hkv, lq, lk in SHAPES:
+        for layout in ("bhld", "blhd") if strided else ("bhld",):
+            hq = hkv * g
+            q = _tensor(b, hq, lq, d, dtype, device, layout)
+            k = _tensor(b, hkv, lk, d, dtype, device, layout)
+            v = _tensor(b, hkv, lk, d, dtype, device, layout)
+            do = _tensor(b, hq, lq, d, dtype, device, layout)
+            scale = 1 / math.sqrt(d)
+            out, lse, exact = _grads(q, k, v, do, key.causal, scale, torch.float64)
+            _, _, lowp = _grads(q, k, v, do, key.causal, scale, dtype)
+            delta = (do.double() * out).sum(-1).float().contiguous()
+            ours = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), delta,
+                                 scale, layout)
+            if q.is_cuda:
+                torch.cuda.synchronize()
+            pick = (0,) if key.op == "dq" else (1, 2)
+            for name, o, i in zip(names, ours, pick, strict=True):
+                err = (o.double() - exact[i]).abs().max().item()
+                base = (lowp[i].double() - exact[i]).abs().max().item()
+                bound = 3 * base + FLOOR[key.dtype]
+                if math.isnan(err) or err > bound:
+                    ok = False
+                    print(f"   FAIL {key.name} {layout} b{b} hkv{hkv} lq{lq} lk{lk}: {name} err "
+                          f"{err:.3g} > bound {bound:.3g} (torch {key.dtype} err {base:.3g})",
+                          flush=True)
+                worst = max(worst, err if not math.isnan(err) else float("inf"))
+    return ok, f"max grad err {worst:.3g}"
+
+
+def timing_backward(fn, key, n: int, device) -> dict:
+    """The kernel alone at B N = 16k tokens, hidden 2048 (inputs contiguous)."""
+    import torch
+    from triton.testing import do_bench
+
+    dtype = getattr(torch, key.dtype)
+    d = key.head_dim
+    b, h = max(1, 16384 // n), 2048 // d
+    q, k, v, do = (torch.randn(b, h, n, d, dtype=dtype, device=device) for _ in range(4))
+    # LSE of a typical row (its scores spread ~N(0, 1)): P stays away from 0 and 1
+    lse = torch.full((b, h, n), math.log(n) + 0.5, dtype=torch.float32, device=device)
+    delta = torch.randn(b, h, n, dtype=torch.float32, device=device)
+    outs = [torch.empty_like(q) for _ in range(1 if key.op == "dq" else 2)]
+    scale = 1 / math.sqrt(d)
+    flops = GEMMS[key.op] * 2 * b * h * n * n * d // (2 if key.causal != "none" else 1)
+    ms = do_bench(lambda: fn(q, k, v, do, lse, delta, *outs, scale), warmup=50, rep=300,
+                  return_mode="median")
+    return {"ours": flops / ms / 1e9, "ms": ms}
 
 
 def timing(fn, key, n: int, device) -> dict:
@@ -163,34 +270,54 @@ def timing(fn, key, n: int, device) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="fwd", help="kernels: fwd, dq, dkv (comma-separated)")
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtypes", default="bf16")
     p.add_argument("--causal", default="none,top-left,bottom-right")
     p.add_argument("--gqa", default="1,2")
     p.add_argument("--tiles", default="[null]",
                    help="JSON list of HopperTile fields (null: the default tile), or a dict of "
-                        "such lists by head dim, e.g. '{\"64\": [{\"step\": 192}]}'")
-    p.add_argument("--seqlens", default="4096")
-    p.add_argument("--mma", action="store_true", help="also time the mma.sync forward")
+                        "such lists by head dim or op:head dim, e.g. "
+                        "'{\"64\": [{\"step\": 192}], \"dkv:128\": [null, {\"step\": 32}]}'")
+    p.add_argument("--seqlens", default="4096", help="timed lengths ('' : check only)")
+    p.add_argument("--mma", action="store_true",
+                   help="also check and time the mma.sync kernels (cuda-sm_90 keys)")
     p.add_argument("--jobs", type=int, default=os.cpu_count())
     p.add_argument("--sass", action="store_true", help="count HGMMA/HMMA in each variant's SASS")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
+    import importlib
+
     import torch
 
+    import tvm_flash.build  # noqa: F401 - registers tvm_flash.schedules (also from a checkout)
     from tvm_flash.key import KernelKey
+
+    cuda_hopper = importlib.import_module("tvm_flash.schedules.cuda_hopper")
+    cuda_mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
+    torch.manual_seed(0)  # the same inputs on every run: a failure can be reproduced
 
     tiles = json.loads(args.tiles)
     jobs = []
-    for d, dt, causal, g in itertools.product(
-            [int(x) for x in args.head_dims.split(",")], args.dtypes.split(","),
-            args.causal.split(","), [int(x) for x in args.gqa.split(",")]):
-        for sinks in ((False, True) if (causal, g) == ("top-left", 1) else (False,)):
-            key = KernelKey("fwd", d, SHORT[dt], causal, g, "cuda-sm_90a", sinks=sinks)
-            jobs += [(key, t) for t in (tiles[str(d)] if isinstance(tiles, dict) else tiles)]
-            if args.mma and not sinks and g == 1:
-                jobs.append((KernelKey("fwd", d, SHORT[dt], causal, g, "cuda-sm_90"), None))
+    for op, d, dt, causal, g in itertools.product(
+            args.ops.split(","), [int(x) for x in args.head_dims.split(",")],
+            args.dtypes.split(","), args.causal.split(","),
+            [int(x) for x in args.gqa.split(",")]):
+        with_sinks = op == "fwd" and (causal, g) == ("top-left", 1)
+        for sinks in ((False, True) if with_sinks else (False,)):
+            key = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90a", sinks=sinks)
+            if not cuda_hopper.supports(key):
+                print(f"skipped {key.name}: not served by the Hopper kernels", flush=True)
+                continue
+            if isinstance(tiles, dict):
+                chosen = tiles.get(f"{op}:{d}", tiles.get(str(d), [None]))
+            else:
+                chosen = tiles
+            jobs += [(key, t) for t in chosen]
+            mma = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90")
+            if args.mma and not sinks and g == 1 and cuda_mma.supports(mma):
+                jobs.append((mma, None))
     tmp = tempfile.mkdtemp()
     built = [None] * len(jobs)
     with cf.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -210,6 +337,7 @@ def main(argv=None) -> int:
                 print(f"SASS {key.name} {t}: HGMMA {sass.count('HGMMA')}, HMMA "
                       f"{sass.count('HMMA')}, LDL/STL {sass.count('LDL') + sass.count('STL')}")
     device = torch.device("cuda")
+    seqlens = [int(x) for x in args.seqlens.split(",") if x]
     rows = []
     for (key, t), files in zip(jobs, built, strict=True):
         if files is None:
@@ -219,21 +347,35 @@ def main(argv=None) -> int:
             fn = _load(*files)
             row["ok"], row["check"] = check(fn, key, device, strided=key.target != "cuda-sm_90")
             if row["ok"] and not key.sinks and key.group == 1:
-                for n in [int(x) for x in args.seqlens.split(",")]:
-                    row[f"n{n}"] = timing(fn, key, n, device)
+                for n in seqlens:
+                    row[f"n{n}"] = (timing(fn, key, n, device) if key.op == "fwd"
+                                    else timing_backward(fn, key, n, device))
         except Exception as err:  # noqa: BLE001 - a failing variant must not hide the others
             row["ok"], row["check"] = False, f"error: {str(err)[-600:]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print("\n| key | tile | ok | TFLOP/s ours / flash / cudnn |")
+    print("\nTFLOP/s: fwd 4 B H N^2 D (ours / torch flash / cudnn); dq 6 B H N^2 D and dkv "
+          "8 B H N^2 D, the kernel alone (ours (mma.sync)); all halved causal")
+    print("| key | tile | ok | TFLOP/s |")
+    by_name = {r["key"]: r for r in rows if r["tile"] is None}
     for r in rows:
-        figs = " ".join(f"N{k[1:]}: {v['ours']:.0f}/{v['flash'] or 0:.0f}/{v['cudnn'] or 0:.0f}"
-                        for k, v in r.items() if k.startswith("n") and isinstance(v, dict))
-        print(f"| {r['key']} | {r['tile']} | {r['ok']} | {figs} |")
+        if r["key"].endswith("cuda-sm_90") and not r["key"].startswith("fwd"):
+            continue  # shown beside its Hopper row
+        figs = []
+        for k, v in r.items():
+            if not (k.startswith("n") and isinstance(v, dict)):
+                continue
+            if "flash" in v:
+                figs.append(f"N{k[1:]}: {v['ours']:.0f}/{v['flash'] or 0:.0f}/"
+                            f"{v['cudnn'] or 0:.0f}")
+            else:
+                mma = by_name.get(r["key"].replace("cuda-sm_90a", "cuda-sm_90"), {}).get(k)
+                figs.append(f"N{k[1:]}: {v['ours']:.0f}"
+                            + (f" ({mma['ours']:.0f})" if mma else ""))
+        print(f"| {r['key']} | {r['tile']} | {r['ok']} | {' '.join(figs)} |")
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,8 @@
 """The Hopper (sm_90a) kernel family, checked without a GPU: which keys it serves, that every
 one lowers to wgmma + TMA code, and (where nvcc is installed) that ptxas keeps it in registers
 and never serialises its wgmma. The maths runs on the H200 (the `gpu` suite picks these kernels
-on an sm_90 device, see ``tvm_flash.target.cuda_tag``)."""
+on an sm_90 device, see ``tvm_flash.target.cuda_tag``; scripts/sweep_hopper.py checks each
+kernel alone against float64)."""
 
 import functools
 import importlib
@@ -25,6 +26,14 @@ KEYS += [KernelKey("fwd", 128, "bfloat16", "bottom-right", 4, "cuda-sm_90a", sin
 # every other head dim once: 32-column atoms (32, 96, 160, 224), shorter steps (192 and up)
 KEYS += [KernelKey("fwd", d, "bfloat16", "top-left", 1, "cuda-sm_90a")
          for d in (32, 96, 160, 192, 224, 256)]
+# the backward: D 64 and 128 in both dtypes, every causal mode and GQA; every other head dim
+# once (each its own register budget: the step shrinks as D grows)
+KEYS += [KernelKey(op, d, dt, causal, g, "cuda-sm_90a")
+         for op, d, (dt, causal, g) in itertools.product(
+             ("dq", "dkv"), (64, 128), (("bfloat16", "top-left", 1), ("float16", "top-left", 1),
+                                        ("bfloat16", "none", 1), ("float16", "bottom-right", 2)))]
+KEYS += [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a")
+         for op in ("dq", "dkv") for d in hopper.OP_HEAD_DIMS[op] if d not in (64, 128)]
 
 
 @functools.cache
@@ -32,16 +41,40 @@ def _source(key: KernelKey) -> str:
     return device_source(compile_module(key))
 
 
-def test_hopper_serves_the_sm90a_forward_only():
-    assert hopper.supports(KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a"))
+def test_hopper_serves_sm90a_forward_and_backward():
+    for op in ("fwd", "dq", "dkv"):
+        for d, causal, g in ((64, "none", 1), (128, "bottom-right", 4)):
+            assert hopper.supports(KernelKey(op, d, "float16", causal, g, "cuda-sm_90a"))
     for key in (KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90"),  # no wgmma
+                KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90"),
                 KernelKey("fwd", 128, "float32", "none", 1, "cuda-sm_90a"),  # fp32: SIMT
-                KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a")):  # backward: mma
+                KernelKey("dkv", 128, "float32", "none", 1, "cuda-sm_90a"),
+                KernelKey("dkv", 224, "bfloat16", "none", 1, "cuda-sm_90a"),  # dK+dV too large
+                KernelKey("bwd_pre", 128, "bfloat16", "none", 1, "cuda-sm_90a"),
+                KernelKey("dq_split", 128, "bfloat16", "none", 1, "cuda-sm_90a")):
         assert not hopper.supports(key), key.name
-    # the rest of an sm_90a build is the sm_80+ family compiled for that arch
-    mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
-    assert mma.supports(KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a"))
-    assert schedules.lowers("cuda", KernelKey("dkv", 64, "float16", "top-left", 1, "cuda-sm_90a"))
+    # the rest of an sm_90a build (fp32, short-query and merge kernels, dK/dV above D 192) is
+    # the factory kernels under the SIMT schedule, as on every other CUDA target
+    assert not schedules.lowers("cuda", KernelKey("dkv", 224, "bfloat16", "none", 1,
+                                                  "cuda-sm_90a"))
+
+
+def test_backward_tiles_fit_shared_memory():
+    """The default tile of every served key fits, dK/dV's tile config is (queries, keys), and
+    a step that is not a multiple of 16 rows (one k16 chunk of the register operand) is
+    refused."""
+    for op in ("dq", "dkv"):
+        for d in hopper.OP_HEAD_DIMS[op]:
+            key = KernelKey(op, d, "bfloat16", "none", 1, "cuda-sm_90a")
+            assert hopper.tile(key).smem_bytes(d, op) <= hopper.SMEM_LIMIT, key.name
+    t = hopper.tile(KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a"))
+    assert (t.tile_config("dkv").block_q, t.tile_config("dkv").block_k) == (t.step, t.rows)
+    key = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        hopper.kernel(key, hopper.HopperTile(step=40))
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        hopper.kernel(KernelKey("dq", 256, "bfloat16", "none", 1, "cuda-sm_90a"),
+                      hopper.HopperTile(step=64))
 
 
 def test_hopper_devices_get_the_sm90a_tag(monkeypatch):
@@ -65,7 +98,8 @@ def test_tile_must_fit_shared_memory():
 def test_every_hopper_key_lowers_to_wgmma_and_tma(key):
     src = _source(key)
     for needle in ("wgmma.mma_async.sync.aligned.m64n", "cp.async.bulk.tensor.4d",
-                   "mbarrier.try_wait", "setmaxnreg.inc", "__grid_constant__ CUtensorMap"):
+                   "mbarrier.try_wait", "setmaxnreg.inc", "__grid_constant__ CUtensorMap",
+                   "_ss_mma_async", "_rs_mma_async"):  # operands from shared memory; A in regs
         assert needle in src, needle
     assert "mma.sync" not in src and "ldmatrix" not in src
 
