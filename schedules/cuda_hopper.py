@@ -220,9 +220,9 @@ def _tmap(m, buf, box_cols: int, box_rows: int, swizzle: int):
     tensor ``buf``, read in boxes of ``box_rows`` rows x ``box_cols`` columns: no interleave,
     the given swizzle, 128-byte L2 promotion, zero fill out of bounds."""
     b, h, length, d = buf.shape
-    return T.call_packed("runtime.cuTensorMapEncodeTiled", m, buf.dtype, 4, buf.data, d, length,
-                         h, b, *_tma_strides(buf), box_cols, box_rows, 1, 1, 1, 1, 1, 1, 0,
-                         swizzle, 2, 0)
+    return T.call_packed("runtime.cuTensorMapEncodeTiled", m, str(buf.dtype), 4, buf.data, d,
+                         length, h, b, *_tma_strides(buf), box_cols, box_rows, 1, 1, 1, 1, 1, 1,
+                         0, swizzle, 2, 0)
 
 
 def _desc(d, ptr, ldo: int, sdo: int, swizzle: int):
