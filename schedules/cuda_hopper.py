@@ -146,11 +146,23 @@ class HopperTile:
 SMEM_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory with the opt-in
 
 
-def supports(key: KernelKey) -> bool:
-    """Whether ``key`` runs on these kernels: forward, dQ or dK/dV, fp16/bf16, sm_90a, a head
-    dim in ``OP_HEAD_DIMS`` of its op (every causal mode and GQA group)."""
+SERVED = ("fwd", "dq")
+"""The ops whose keys run on these kernels. ``flash_dkv`` is written (and lowers, and
+assembles without spills) but is not served: its first runs on the H200 (2026-12-01, every
+key) stopped with "illegal instruction". Until ``scripts/sweep_hopper.py --ops dkv`` passes,
+dK/dV on sm_90a runs the ``mma.sync`` kernel."""
+
+
+def writes(key: KernelKey) -> bool:
+    """Whether this module has a kernel for ``key``: forward, dQ or dK/dV, fp16/bf16, sm_90a,
+    a head dim in ``OP_HEAD_DIMS`` of its op (every causal mode and GQA group)."""
     return (key.op in OPS and key.dtype in _PTX and key.head_dim in OP_HEAD_DIMS[key.op]
             and key.target == "cuda-sm_90a")
+
+
+def supports(key: KernelKey) -> bool:
+    """Whether ``key`` runs on these kernels (:data:`SERVED`)."""
+    return writes(key) and key.op in SERVED
 
 
 def tile(key: KernelKey) -> HopperTile:
@@ -476,8 +488,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
 
 
 def kernel(key: KernelKey, tile_override: HopperTile | None = None):
-    """The PrimFunc of ``key`` (a key :func:`supports`)."""
-    if not supports(key):
+    """The PrimFunc of ``key`` (a key this module :func:`writes`; the sweep builds unserved
+    ones too)."""
+    if not writes(key):
         raise ValueError(f"{key.name}: not a Hopper kernel key")
     chosen = tile_override or tile(key)
     if chosen.step % 16:
