@@ -214,6 +214,30 @@ def quad_reduce(x, i, op):
     x[i] = op(x[i], T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), x[i], 2, 32, 32))
 
 
+@T.macro
+def gemm_ss(mma, acc, n, a, a_rows, b, b_rows, steps, ka, row):
+    """``acc`` (``n`` registers) = A B^T over ``steps`` k16 chunks, one commit group: A and B
+    K-major tiles of ``a_rows`` / ``b_rows`` rows from descriptors ``a`` / ``b``, an atom every
+    ``ka`` chunks (+ rows x ``row`` 16-byte units), a chunk +2 units within one."""
+    for kk in T.unroll(steps):
+        T.ptx[mma](*[acc[i] for i in range(n)],
+                   a + T.uint64(kk // ka * a_rows * row + kk % ka * 2),
+                   b + T.uint64(kk // ka * b_rows * row + kk % ka * 2),
+                   T.bool(kk > 0), 1, 1, 0, 0)
+    T.ptx.wgmma.commit_group.sync.aligned()
+
+
+@T.macro
+def gemm_rs(mma, acc, n, aw, b, steps, row):
+    """``acc`` += A B over ``steps`` k16 chunks, one commit group: A from registers (chunk
+    ``kk`` in words ``4 kk .. 4 kk + 3`` of ``aw``, the accumulator layout of the product that
+    made it), B read MN-major from descriptor ``b`` (16 rows of ``row`` units a chunk)."""
+    for kk in T.unroll(steps):
+        T.ptx[mma](*[acc[i] for i in range(n)], aw[4 * kk], aw[4 * kk + 1], aw[4 * kk + 2],
+                   aw[4 * kk + 3], b + T.uint64(kk * 16 * row), T.bool(True), 1, 1, 1)
+    T.ptx.wgmma.commit_group.sync.aligned()
+
+
 def _tma_strides(buf):
     """Byte strides of a (B, H, L, D) tensor's rows, heads and batches for its tensor map. The
     copy engine wants every stride a multiple of 16 bytes, also that of a dimension of size 1,
@@ -306,18 +330,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         pin(acc, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
         if do_s:
-            for kk in T.unroll(D // 16):
-                T.ptx[mma_s](*[s[i] for i in range(NS * 4)],
-                             dq[0] + T.uint64(kk // KA * BM * ROW + kk % KA * 2),
-                             dk[0] + T.uint64(kk // KA * BK * ROW + kk % KA * 2),
-                             T.bool(kk > 0), 1, 1, 0, 0)
-            T.ptx.wgmma.commit_group.sync.aligned()
+            gemm_ss(mma_s, s, NS * 4, dq[0], BM, dk[0], BK, D // 16, KA, ROW)
         if do_pv:
-            for kk in T.unroll(BK // 16):
-                T.ptx[mma_o](*[acc[i] for i in range(NO * 4)],
-                             pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
-                             dv[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 1)
-            T.ptx.wgmma.commit_group.sync.aligned()
+            gemm_rs(mma_o, acc, NO * 4, pw, dv[0], BK // 16, ROW)
 
     @T.macro
     def softmax(s, p, acc, m, mn, msub, lsum, bars, j, row, lane, scale2, elected, Lq, Lk, c):
@@ -564,24 +579,10 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         pin(acc, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
         if do_sd:
-            for kk in T.unroll(D // 16):
-                T.ptx[mma_s](*[s[i] for i in range(NS * 4)],
-                             dqa[0] + T.uint64(kk // KA * BM * ROW + kk % KA * 2),
-                             dk[0] + T.uint64(kk // KA * BK * ROW + kk % KA * 2),
-                             T.bool(kk > 0), 1, 1, 0, 0)
-            T.ptx.wgmma.commit_group.sync.aligned()
-            for kk in T.unroll(D // 16):
-                T.ptx[mma_s](*[dp[i] for i in range(NS * 4)],
-                             doa[0] + T.uint64(kk // KA * BM * ROW + kk % KA * 2),
-                             dv[0] + T.uint64(kk // KA * BK * ROW + kk % KA * 2),
-                             T.bool(kk > 0), 1, 1, 0, 0)
-            T.ptx.wgmma.commit_group.sync.aligned()
+            gemm_ss(mma_s, s, NS * 4, dqa[0], BM, dk[0], BK, D // 16, KA, ROW)
+            gemm_ss(mma_s, dp, NS * 4, doa[0], BM, dv[0], BK, D // 16, KA, ROW)
         if do_dq:
-            for kk in T.unroll(BK // 16):
-                T.ptx[mma_o](*[acc[i] for i in range(NO * 4)],
-                             dsw[4 * kk], dsw[4 * kk + 1], dsw[4 * kk + 2], dsw[4 * kk + 3],
-                             dkt[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 1)
-            T.ptx.wgmma.commit_group.sync.aligned()
+            gemm_rs(mma_o, acc, NO * 4, dsw, dkt[0], BK // 16, ROW)
 
     @T.macro
     def grads(s, dp, ds, acc, lse, delta, bars, j, row0, row, lane, elected, scale, Lq, Lk,
@@ -808,18 +809,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         pin(st, NS * 4)
         pin(dpt, NS * 4)
         T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(D // 16):
-            T.ptx[mma_s](*[st[e] for e in range(NS * 4)],
-                         ka[0] + T.uint64(kk // KA * BN * ROW + kk % KA * 2),
-                         bq[0] + T.uint64(kk // KA * BQ * ROW + kk % KA * 2),
-                         T.bool(kk > 0), 1, 1, 0, 0)
-        T.ptx.wgmma.commit_group.sync.aligned()
-        for kk in T.unroll(D // 16):
-            T.ptx[mma_s](*[dpt[e] for e in range(NS * 4)],
-                         va[0] + T.uint64(kk // KA * BN * ROW + kk % KA * 2),
-                         bdo[0] + T.uint64(kk // KA * BQ * ROW + kk % KA * 2),
-                         T.bool(kk > 0), 1, 1, 0, 0)
-        T.ptx.wgmma.commit_group.sync.aligned()
+        gemm_ss(mma_s, st, NS * 4, ka[0], BN, bq[0], BQ, D // 16, KA, ROW)
+        gemm_ss(mma_s, dpt, NS * 4, va[0], BN, bdo[0], BQ, D // 16, KA, ROW)
         T.ptx.wgmma.wait_group.sync.aligned(1)  # S^T done
         pin(st, NS * 4)
         # element e: key row ``key_row + e % 4 // 2 * 8``, query column ``q0 + col(e)``
@@ -839,11 +830,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         pin_u32(pw, NS * 2)
         pin(dv, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(BQ // 16):
-            T.ptx[mma_o](*[dv[e] for e in range(NO * 4)],
-                         pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
-                         bdot[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 1)
-        T.ptx.wgmma.commit_group.sync.aligned()
+        gemm_rs(mma_o, dv, NO * 4, pw, bdot[0], BQ // 16, ROW)
         T.ptx.wgmma.wait_group.sync.aligned(1)  # dP^T done; dV += P^T dO may run on
         pin(dpt, NS * 4)
         if q0 + BQ > Lq:  # the columns past Lq read another row's Delta: take 0 there
@@ -858,11 +845,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         pin_u32(dsw, NS * 2)
         pin(dk, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(BQ // 16):
-            T.ptx[mma_o](*[dk[e] for e in range(NO * 4)],
-                         dsw[4 * kk], dsw[4 * kk + 1], dsw[4 * kk + 2], dsw[4 * kk + 3],
-                         bqt[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 1)
-        T.ptx.wgmma.commit_group.sync.aligned()
+        gemm_rs(mma_o, dk, NO * 4, dsw, bqt[0], BQ // 16, ROW)
         T.ptx.wgmma.wait_group.sync.aligned(0)  # dV and dK done: the stage is free
         pin(dv, NO * 4)
         pin(dk, NO * 4)
