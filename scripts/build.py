@@ -144,7 +144,7 @@ def main(argv=None) -> int:
                 continue
             entries.append(entry)
             how = (f"tuned {entry['tuned']['tile']} {entry['tuned']['decisions']}"
-                   if key in tuned else "warp-level mma.sync kernel, not tuned"
+                   if key in tuned else "hand-written kernel (mma.sync or wgmma), not tuned"
                    if schedules.lowers(target_kind(key.target), key) else "default")
             print(f"[{i:3}/{len(keys)}] {key.name}  {secs:.1f}s  ({how})", flush=True)
     if failures:
