@@ -84,13 +84,12 @@ F32 = "float32"
 WG = 128  # threads of a warpgroup
 OPS = ("fwd", "dq", "dkv")
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-# per op, the head dims served: a dK/dV thread holds both D / 2-register sums (D 192: 192 of
-# its 240) beside S^T and dP^T, which leaves no room above D 192 (those keys stay on the SIMT
-# schedule, as before)
+# per op, the head dims written: a dK/dV thread holds both D / 2-register sums (D 192: 192 of
+# its 240) beside S^T and dP^T, which leaves no room above D 192 (those keys stay on the
+# mma.sync kernels)
 OP_HEAD_DIMS = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": (32, 64, 96, 128, 160, 192)}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
 _TMA = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
-_TMA_1D = "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes"
 # ``asm volatile("" : "+f"(r))``: pins an accumulator register in place around wgmma's
 # asynchronous writes, so the compiler neither reads it before ``wait_group`` nor moves a write
 # of it past ``fence`` (TVM 0.27's ``T.cuda.wgmma.noop_barrier`` is broken: shared/hopper/NOTES).
@@ -132,8 +131,8 @@ class HopperTile:
             tiles = 2 * d * (self.rows + 2 * self.stages * self.step)
         else:
             tiles = 2 * d * (2 * self.rows + 2 * self.stages * self.step)
-            if op == "dkv":  # LSE and Delta rows, 128-byte aligned for TMA
-                tiles += self.stages * 2 * (self.step * 4 + 127) // 128 * 128
+            if op == "dkv":  # LSE and Delta rows
+                tiles += self.stages * 2 * self.step * 4
         return tiles + 1024
 
     def tile_config(self, op: str) -> TileConfig:
@@ -146,11 +145,11 @@ class HopperTile:
 SMEM_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory with the opt-in
 
 
-SERVED = ("fwd", "dq")
-"""The ops whose keys run on these kernels. ``flash_dkv`` is written (and lowers, and
-assembles without spills) but is not served: its first runs on the H200 (2026-12-01, every
-key) stopped with "illegal instruction". Until ``scripts/sweep_hopper.py --ops dkv`` passes,
-dK/dV on sm_90a runs the ``mma.sync`` kernel."""
+SERVED = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": (64, 96, 128, 160, 192)}
+"""Per op, the head dims whose keys run on these kernels: each written one but dK/dV at D 32,
+which the ``mma.sync`` kernel runs faster (H200, bf16, N 4096, the kernel alone: 211 against
+188 TFLOP/s, causal 199 against 146; at D 64 it is 268 against 367, at D 128 259 against
+509)."""
 
 
 def writes(key: KernelKey) -> bool:
@@ -162,7 +161,7 @@ def writes(key: KernelKey) -> bool:
 
 def supports(key: KernelKey) -> bool:
     """Whether ``key`` runs on these kernels (:data:`SERVED`)."""
-    return writes(key) and key.op in SERVED
+    return writes(key) and key.head_dim in SERVED[key.op]
 
 
 def tile(key: KernelKey) -> HopperTile:
@@ -180,19 +179,25 @@ def tile(key: KernelKey) -> HopperTile:
 
 
 def _dq_tile(d: int) -> HopperTile:
-    """dQ: 128 query rows, two stages; 128-key steps up to D 64, where S and dP (BK / 2
-    registers each) and dS's words (BK / 4) fit beside dQ's D / 2 (ptxas: 222 registers at
-    D 64); 64 up to D 192; 32 above, where the Q and dO tiles (56-64 KiB each) leave room for
-    no more of the K/V ring. Chosen by register and shared-memory fit, not yet measured."""
-    return HopperTile(step=128 if d <= 64 else 64 if d <= 192 else 32)
+    """dQ: 128 query rows; 128-key steps up to D 64, where S and dP (BK / 2 registers each)
+    and dS's words (BK / 4) fit beside dQ's D / 2 (ptxas: 222 registers at D 64); 64 up to
+    D 192; 32 above. Three stages where the ring fits beside the Q and dO tiles (up to D 160):
+    the dQ product waits on the stage of the step before, so a third stage keeps a load in
+    flight behind it (H200, bf16, N 4096, the kernel alone: D 128 660 TFLOP/s against 465 with
+    two stages, 494 with 96-key steps; D 64 508 against 375); two at D 192 (519)."""
+    return HopperTile(step=128 if d <= 64 else 64 if d <= 192 else 32,
+                      stages=3 if d <= 160 else 2)
 
 
 def _dkv_tile(d: int) -> HopperTile:
-    """dK/dV: 128 keys, two stages; 64-query steps up to D 128 (the highest register the
+    """dK/dV: 128 keys, three stages; 64-query steps up to D 128 (the highest register the
     consumers touch, in ptxas's code: 235 of 240 at D 128), 32 at D 160 (225), 16 at D 192
-    (236), as dK and dV take D of a thread's 240 registers. Chosen by register fit, not yet
-    measured."""
-    return HopperTile(step=64 if d <= 128 else 32 if d == 160 else 16)
+    (236), as dK and dV take D of a thread's 240 registers; 96 at D 64. H200, bf16, N 4096,
+    the kernel alone, TFLOP/s unmasked / causal: D 64 367 / 270 (64-query steps: 346 / 271,
+    two stages 336 / 257), D 128 509 / 448 (two stages 499 / 415), D 160 472 / 423 (454 / 387),
+    D 192 357 / 334 (314 / 294)."""
+    return HopperTile(step=96 if d == 64 else 64 if d <= 128 else 32 if d == 160 else 16,
+                      stages=3)
 
 
 @T.macro
@@ -762,11 +767,14 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     walks, in a fixed order, every query tile of every query head of the GQA group that sees
     them (``tile.step`` queries a step): one writer per output element, no atomics.
 
-    The producer loads K and V once and each step's Q and dO tiles, with their rows of LSE and
-    Delta, into a ring of ``tile.stages`` stages. LSE and Delta are read as one flat array each
-    (a rank-1 tensor map: no stride to align, whatever Lq): the rows of a tile past the sequence
-    end then hold another head's statistics (or zeros past the array), but their Q and dO rows
-    are zero, so they add nothing to dK and dV. Consumer step: S^T = K Q^T and dP^T = V dO^T
+    The producer loads K and V once and each step's Q and dO tiles into a ring of
+    ``tile.stages`` stages (TMA, by one lane), and the tile's rows of LSE and Delta beside them
+    (plain loads, by the producer warp's 32 lanes, each arriving on the stage's "full" barrier
+    after its stores). Not by TMA: a tensor copy must start 16-byte aligned in its innermost
+    dimension, and a tile's first row of LSE is at any float of the (B, H, Lq) array — the 1-D
+    copy stopped the H200 with "illegal instruction" wherever Lq % 4 != 0. A row past Lq or
+    without any key gets LSE = +inf (hence P = 0: no select per element) and Delta = 0; its Q
+    and dO rows are zero-filled. Consumer step: S^T = K Q^T and dP^T = V dO^T
     (shared memory, K-major; two commit groups); once S^T is complete, P^T from the LSE of each
     column (query), rounded, and dV += P^T dO issued (P^T from registers, dO read MN-major)
     while dP^T runs on; once dP^T is complete, dS^T = P^T (dP^T - Delta) rounded and dK += dS^T
@@ -788,8 +796,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     q_off = 2 * k_bytes
     do_off = q_off + ST * q_bytes
     stat_off = do_off + ST * q_bytes
-    SR = (BQ * 4 + 127) // 128 * 32  # floats between statistics rows (TMA: 128-byte aligned)
-    bar_off = stat_off + ST * 2 * SR * 4
+    bar_off = stat_off + ST * 2 * BQ * 4
     NB = 1 + 2 * ST  # K and V; full, empty per stage
     FULL, EMPTY = 1, 1 + ST
     pool_bytes = bar_off + 8 * NB
@@ -816,14 +823,13 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         # element e: key row ``key_row + e % 4 // 2 * 8``, query column ``q0 + col(e)``
         for e in T.unroll(NS * 4):
             st[e] = T.cast(T.cast(_prob(st[e], scale,
-                                        stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2]),
+                                        stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2], False),
                                   dtype), F32)
-        if _mask_needed(causal, row0, 64, q0, BQ, Lq, Lq, Lk, transposed=True):
-            # and the columns past Lq: their LSE is another row's, which must not leak a NaN
+        # the columns past Lq need no mask (LSE +inf there): only the causal diagonal
+        if _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq, Lk, transposed=True):
             for e in T.unroll(NS * 4):
-                if T.Or(q0 + e // 4 * 8 + lane % 4 * 2 + e % 2 >= Lq,
-                        not visible(causal, q0 + e // 4 * 8 + lane % 4 * 2 + e % 2,
-                                    key_row + e % 4 // 2 * 8, Lq, Lk)):
+                if not visible(causal, q0 + e // 4 * 8 + lane % 4 * 2 + e % 2,
+                               key_row + e % 4 // 2 * 8, Lq, Lk):
                     st[e] = T.float32(0)
         for e in T.unroll(NS * 4):
             p[e] = T.cast(st[e], dtype)
@@ -833,15 +839,9 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         gemm_rs(mma_o, dv, NO * 4, pw, bdot[0], BQ // 16, ROW)
         T.ptx.wgmma.wait_group.sync.aligned(1)  # dP^T done; dV += P^T dO may run on
         pin(dpt, NS * 4)
-        if q0 + BQ > Lq:  # the columns past Lq read another row's Delta: take 0 there
-            for e in T.unroll(NS * 4):
-                ds[e] = T.cast(st[e] * (dpt[e] - T.if_then_else(
-                    q0 + e // 4 * 8 + lane % 4 * 2 + e % 2 < Lq,
-                    stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2], T.float32(0))), dtype)
-        else:
-            for e in T.unroll(NS * 4):
-                ds[e] = T.cast(st[e] * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2]),
-                               dtype)
+        for e in T.unroll(NS * 4):
+            ds[e] = T.cast(st[e] * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2]),
+                           dtype)
         pin_u32(dsw, NS * 2)
         pin(dk, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
@@ -868,6 +868,17 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             w[1] = w[1] + 1
 
     @T.macro
+    def stat_row(stats, sg, r, LSE, Delta, c, w, Lq):
+        """Row ``r`` of stage ``sg``'s LSE and Delta: +inf and 0 past Lq or where the row saw
+        no key (LSE -inf), so that P = exp2(-inf) = 0 there without a select per element."""
+        stats[sg, 0, r] = pos_inf()
+        stats[sg, 1, r] = T.float32(0)
+        if w[0] + r < Lq:
+            if LSE[c[0], w[1], w[0] + r] != neg_inf():
+                stats[sg, 0, r] = LSE[c[0], w[1], w[0] + r]
+                stats[sg, 1, r] = Delta[c[0], w[1], w[0] + r]
+
+    @T.macro
     def store(Out, Of, ob, oh, ol, acc, factor, c, key_row, lane, Lk):
         for r in T.unroll(2):
             if key_row + r * 8 < Lk:
@@ -890,8 +901,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=(kb, kh, kl, 1), align=16)
         V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=(vb, vh, vl, 1), align=16)
         dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=(gb, gh, gl, 1), align=16)
-        LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32, align=16)
-        Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32, align=16)
+        LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
+        Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
         dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype, strides=(kob, koh, kol, 1), align=16)
         dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype, strides=(vob, voh, vol, 1), align=16)
         _require_vector_rows("flash_dkv", Q, K, V, dO, dK, dV)
@@ -903,13 +914,6 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         _tmap(kmap, K, ATOM, BN, SW)
         vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(vmap, V, ATOM, BN, SW)
-        # LSE and Delta as flat arrays, BQ rows a box (rank 1: no stride, no swizzle)
-        lmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", lmap, F32, 1, LSE.data, B * Hq * Lq,
-                      BQ, 1, 0, 0, 2, 0)
-        dmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", dmap, F32, 1, Delta.data, B * Hq * Lq,
-                      BQ, 1, 0, 0, 2, 0)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
         nkt = T.meta_var(T.ceildiv(Lk, BN))
@@ -924,7 +928,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                            scope="shared.dyn")
         dOs = T.decl_buffer((ST, NA, BQ, ATOM), dtype, data=pool.data, elem_offset=do_off // 2,
                             scope="shared.dyn")
-        stats = T.decl_buffer((ST, 2, SR), F32, data=pool.data, elem_offset=stat_off // 4,
+        stats = T.decl_buffer((ST, 2, BQ), F32, data=pool.data, elem_offset=stat_off // 4,
                               scope="shared.dyn")  # LSE, Delta of the stage's queries
         bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
                              scope="shared.dyn")
@@ -947,42 +951,44 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             for i in T.unroll(NB):
                 T.ptx.mbarrier.init.shared.b64(
                     T.address_of(bars[i]),
-                    T.uint32(1 if i < EMPTY else 4 * NC))
+                    T.uint32(1 if i < FULL else 32 if i < EMPTY else 4 * NC))
             T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
 
         if tx < WG:  # ------------------------------------------------------------ producer
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
-            if tx == 0:
-                if c[5] > 0:
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
-                                                               T.uint32(2 * k_bytes))
-                    for a in T.unroll(NA):
-                        T.ptx[_TMA](T.address_of(Ks[a, 0, 0]), T.address_of(kmap), a * ATOM,
-                                    T.cast(c[2], "int32"), T.cast(c[1], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
-                        T.ptx[_TMA](T.address_of(Vs[a, 0, 0]), T.address_of(vmap), a * ATOM,
-                                    T.cast(c[2], "int32"), T.cast(c[1], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+            if tx == 0 and c[5] > 0:
+                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
+                                                           T.uint32(2 * k_bytes))
+                for a in T.unroll(NA):
+                    T.ptx[_TMA](T.address_of(Ks[a, 0, 0]), T.address_of(kmap), a * ATOM,
+                                T.cast(c[2], "int32"), T.cast(c[1], "int32"),
+                                T.cast(c[0], "int32"), T.address_of(bars[0]))
+                    T.ptx[_TMA](T.address_of(Vs[a, 0, 0]), T.address_of(vmap), a * ATOM,
+                                T.cast(c[2], "int32"), T.cast(c[1], "int32"),
+                                T.cast(c[0], "int32"), T.address_of(bars[0]))
+            if tx < 32:
                 first(w, c)
                 for i in T.serial(c[5]):
                     if i >= ST:
                         T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + i % ST]),
                                              (i // ST - 1) % 2)
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(
-                        T.address_of(bars[FULL + i % ST]), T.uint32(2 * q_bytes + 2 * BQ * 4))
-                    for a in T.unroll(NA):
-                        T.ptx[_TMA](T.address_of(Qs[i % ST, a, 0, 0]), T.address_of(qmap),
-                                    a * ATOM, T.cast(w[0], "int32"), T.cast(w[1], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
-                        T.ptx[_TMA](T.address_of(dOs[i % ST, a, 0, 0]), T.address_of(domap),
-                                    a * ATOM, T.cast(w[0], "int32"), T.cast(w[1], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
-                    flat = T.meta_var(T.cast((c[0] * Hq + w[1]) * Lq + w[0], "int32"))
-                    T.ptx[_TMA_1D](T.address_of(stats[i % ST, 0, 0]), T.address_of(lmap), flat,
-                                   T.address_of(bars[FULL + i % ST]))
-                    T.ptx[_TMA_1D](T.address_of(stats[i % ST, 1, 0]), T.address_of(dmap), flat,
-                                   T.address_of(bars[FULL + i % ST]))
+                    for r in T.unroll((BQ + 31) // 32):
+                        if r * 32 + tx < BQ:
+                            stat_row(stats, i % ST, r * 32 + tx, LSE, Delta, c, w, Lq)
+                    if tx == 0:  # its arrival counts one of the 32
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(
+                            T.address_of(bars[FULL + i % ST]), T.uint32(2 * q_bytes))
+                        for a in T.unroll(NA):
+                            T.ptx[_TMA](T.address_of(Qs[i % ST, a, 0, 0]), T.address_of(qmap),
+                                        a * ATOM, T.cast(w[0], "int32"), T.cast(w[1], "int32"),
+                                        T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
+                            T.ptx[_TMA](T.address_of(dOs[i % ST, a, 0, 0]),
+                                        T.address_of(domap), a * ATOM, T.cast(w[0], "int32"),
+                                        T.cast(w[1], "int32"), T.cast(c[0], "int32"),
+                                        T.address_of(bars[FULL + i % ST]))
+                    else:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[FULL + i % ST]))
                     advance(w, c, Lq)
         else:  # ------------------------------------------------------------------ consumers
             T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)

@@ -220,13 +220,17 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
     ``unroll`` makes it a tuning decision."""
     decisions = {**DEFAULTS, **(decisions or {})}
     if key.op == "bwd_pre":
+        # a warp per row: its 32 lanes read the row side by side (each warp load one coalesced
+        # 64-byte run, where a thread per row made every load touch 32 rows) and add their
+        # partial sums by shuffles; THREADS / 32 rows a block. Every head dim is a multiple
+        # of 32 (tvm_flash.key.HEAD_DIMS).
         block = sch.get_sblock("delta")
-        b, h, i, _ = sch.get_loops(block)
-        bx, tx = sch.split(sch.fuse(b, h, i), [None, THREADS])
+        b, h, i, d = sch.get_loops(block)
+        bx, ty = sch.split(sch.fuse(b, h, i), [None, THREADS // 32])
+        _, tx = sch.split(d, [None, 32])
         sch.bind(bx, "blockIdx.x")
+        sch.bind(ty, "threadIdx.y")
         sch.bind(tx, "threadIdx.x")
-        wb = sch.cache_write(block, 0, "local")
-        sch.reverse_compute_at(wb, tx)
         return sch
     if key.spec.row_wise:  # the merges: one thread per output element
         bx, tx = sch.split(sch.fuse(*sch.get_loops(sch.get_sblock("merge"))), [None, THREADS])

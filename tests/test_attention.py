@@ -80,6 +80,8 @@ def test_custom_scale_and_lq_ne_lk(device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_backward_is_deterministic(dtype, device):
+    """Bitwise the same gradients run after run (10 runs on a GPU, where blocks race), on a
+    causal GQA shape: every output element has one writer, in a fixed order."""
     q, k, v, do = make_inputs(2, 8, 2, 200, 300, 64, dtype, device)
 
     def grads():
@@ -87,9 +89,10 @@ def test_backward_is_deterministic(dtype, device):
         attention(*leaves, is_causal=True, enable_gqa=True).backward(do)
         return [t.grad for t in leaves]
 
-    first, second = grads(), grads()
-    for a, b in zip(first, second, strict=True):
-        assert torch.equal(a, b)
+    first = grads()
+    for _ in range(9 if device == "cuda" else 1):
+        for a, b in zip(first, grads(), strict=True):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -33,14 +33,14 @@ KEYS += [KernelKey(op, d, dt, causal, g, "cuda-sm_90a")
          for op, d, (dt, causal, g) in itertools.product(
              ("dq", "dkv"), (64, 128), (("bfloat16", "top-left", 1), ("float16", "top-left", 1),
                                         ("bfloat16", "none", 1), ("float16", "bottom-right", 2)))]
-KEYS += [KernelKey("dq", d, "bfloat16", "top-left", 1, "cuda-sm_90a")
-         for d in hopper.OP_HEAD_DIMS["dq"] if d not in (64, 128)]
+KEYS += [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a")
+         for op in ("dq", "dkv") for d in hopper.OP_HEAD_DIMS[op] if d not in (64, 128)]
 
 
 @functools.cache
 def _source(key: KernelKey) -> str:
-    """CUDA source of the Hopper kernel of ``key``, served or not (dK/dV is written but not
-    served, see ``cuda_hopper.SERVED``)."""
+    """CUDA source of the Hopper kernel of ``key``, served or not (dK/dV at D 32 is written
+    but not served, see ``cuda_hopper.SERVED``)."""
     if hopper.supports(key):
         return device_source(compile_module(key))
     with tvm.transform.PassContext(config=pass_config("cuda")):
@@ -49,8 +49,8 @@ def _source(key: KernelKey) -> str:
     return device_source(built)
 
 
-def test_hopper_serves_the_sm90a_forward_and_dq():
-    for op in ("fwd", "dq"):
+def test_hopper_serves_the_sm90a_forward_and_backward():
+    for op in ("fwd", "dq", "dkv"):
         for d, causal, g in ((64, "none", 1), (128, "bottom-right", 4)):
             assert hopper.supports(KernelKey(op, d, "float16", causal, g, "cuda-sm_90a"))
     for key in (KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90"),  # no wgmma
@@ -61,11 +61,11 @@ def test_hopper_serves_the_sm90a_forward_and_dq():
                 KernelKey("bwd_pre", 128, "bfloat16", "none", 1, "cuda-sm_90a"),
                 KernelKey("dq_split", 128, "bfloat16", "none", 1, "cuda-sm_90a")):
         assert not hopper.writes(key), key.name
-    # dK/dV: written, not served until it runs on the H200; mma.sync serves it meanwhile
+    # dK/dV at D 32 (slower than mma.sync) and above D 192 (too large): mma.sync serves them
     mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
-    for d in (64, 128, 224):
+    for d in (32, 224, 256):
         key = KernelKey("dkv", d, "bfloat16", "none", 1, "cuda-sm_90a")
-        assert hopper.writes(key) == (d != 224) and not hopper.supports(key)
+        assert hopper.writes(key) == (d == 32) and not hopper.supports(key)
         assert mma.supports(key) and schedules.lowers("cuda", key)
 
 
