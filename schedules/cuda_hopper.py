@@ -778,8 +778,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     (shared memory, K-major; two commit groups); once S^T is complete, P^T from the LSE of each
     column (query), rounded, and dV += P^T dO issued (P^T from registers, dO read MN-major)
     while dP^T runs on; once dP^T is complete, dS^T = P^T (dP^T - Delta) rounded and dK += dS^T
-    Q issued (Q MN-major); once both are complete one lane per warp releases the stage (every
-    lane of its warp has read the stage's LSE and Delta by then)."""
+    Q issued (Q MN-major); once both are complete every consumer thread releases the stage
+    (its own reads of the stage's LSE and Delta are done by then)."""
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
     BN, BQ, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
@@ -849,8 +849,11 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         T.ptx.wgmma.wait_group.sync.aligned(0)  # dV and dK done: the stage is free
         pin(dv, NO * 4)
         pin(dk, NO * 4)
-        if lane == 0:
-            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
+        # every thread arrives after its own reads of the stage's LSE and Delta: one arrival
+        # per warp (after a __syncwarp) or per warpgroup (after a named barrier) orders them as
+        # well, but compute-sanitizer's racecheck, which follows only a thread's own arrival,
+        # reports the producer's next writes racing those reads
+        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
 
     @T.macro
     def first(w, c):
@@ -951,7 +954,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             for i in T.unroll(NB):
                 T.ptx.mbarrier.init.shared.b64(
                     T.address_of(bars[i]),
-                    T.uint32(1 if i < FULL else 32 if i < EMPTY else 4 * NC))
+                    T.uint32(1 if i < FULL else 32 if i < EMPTY else WG * NC))
             T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
 
