@@ -116,6 +116,19 @@ def _tensor(b, h, n, d, dtype, device, layout, fill=None):
     return t.transpose(1, 2) if layout == "blhd" else t
 
 
+def _cases(key, device, strided: bool):
+    """The check's inputs: per odd shape and layout, ``(b, hkv, lq, lk, layout, q, k, v)``
+    random in the key's dtype (GQA group and head dim of the key)."""
+    import torch
+
+    dtype, g, d = getattr(torch, key.dtype), key.group, key.head_dim
+    for b, hkv, lq, lk in SHAPES:
+        for layout in ("bhld", "blhd") if strided else ("bhld",):
+            yield (b, hkv, lq, lk, layout, _tensor(b, hkv * g, lq, d, dtype, device, layout),
+                   _tensor(b, hkv, lk, d, dtype, device, layout),
+                   _tensor(b, hkv, lk, d, dtype, device, layout))
+
+
 def check(fn, key, device, strided: bool = True) -> tuple[bool, str]:
     """Max errors over the odd shapes, vs the same maths in the input precision."""
     if key.op != "fwd":
@@ -123,34 +136,28 @@ def check(fn, key, device, strided: bool = True) -> tuple[bool, str]:
     import torch
 
     dtype = getattr(torch, key.dtype)
-    g, d = key.group, key.head_dim
     worst, ok = 0.0, True
-    for b, hkv, lq, lk in SHAPES:
-        for layout in ("bhld", "blhd") if strided else ("bhld",):
-            hq = hkv * g
-            q = _tensor(b, hq, lq, d, dtype, device, layout)
-            k = _tensor(b, hkv, lk, d, dtype, device, layout)
-            v = _tensor(b, hkv, lk, d, dtype, device, layout)
-            sinks = torch.randn(hq, device=device) if key.sinks else None
-            scale = 1 / math.sqrt(d)
-            out, lse = _run(fn, q, k, v, sinks, scale)
-            ref, ref_lse = _reference(q, k, v, key.causal, scale, sinks)
-            lowp, _ = (__import__("tvm_flash").attention_reference(
-                q.float(), k.float(), v.float(), causal=key.causal, scale=scale,
-                sinks=sinks, dtype=torch.float32))
-            lowp = lowp.to(dtype)
-            err = (out.double() - ref).abs().max().item()
-            base = (lowp.double() - ref).abs().max().item()
-            lerr = torch.where(torch.isinf(ref_lse) & torch.isinf(lse.double()), 0.0,
-                               (lse.double() - ref_lse).abs()).max().item()
-            lse_tol = 2e-2 if dtype == torch.bfloat16 else 4e-3  # P is summed rounded, as FA does
-            bad = (math.isnan(err) or err > 2 * base + 1e-2 or math.isnan(lerr)
-                   or lerr > lse_tol)
-            if bad:
-                ok = False
-                print(f"   FAIL {key.name} {layout} b{b} hkv{hkv} lq{lq} lk{lk}: out err {err:.3g}"
-                      f" (base {base:.3g}), lse err {lerr:.3g}", flush=True)
-            worst = max(worst, err if not math.isnan(err) else float("inf"))
+    for b, hkv, lq, lk, layout, q, k, v in _cases(key, device, strided):
+        sinks = torch.randn(q.shape[1], device=device) if key.sinks else None
+        scale = 1 / math.sqrt(key.head_dim)
+        out, lse = _run(fn, q, k, v, sinks, scale)
+        ref, ref_lse = _reference(q, k, v, key.causal, scale, sinks)
+        lowp, _ = (__import__("tvm_flash").attention_reference(
+            q.float(), k.float(), v.float(), causal=key.causal, scale=scale,
+            sinks=sinks, dtype=torch.float32))
+        lowp = lowp.to(dtype)
+        err = (out.double() - ref).abs().max().item()
+        base = (lowp.double() - ref).abs().max().item()
+        lerr = torch.where(torch.isinf(ref_lse) & torch.isinf(lse.double()), 0.0,
+                           (lse.double() - ref_lse).abs()).max().item()
+        lse_tol = 2e-2 if dtype == torch.bfloat16 else 4e-3  # P is summed rounded, as FA does
+        bad = (math.isnan(err) or err > 2 * base + 1e-2 or math.isnan(lerr)
+               or lerr > lse_tol)
+        if bad:
+            ok = False
+            print(f"   FAIL {key.name} {layout} b{b} hkv{hkv} lq{lq} lk{lk}: out err {err:.3g}"
+                  f" (base {base:.3g}), lse err {lerr:.3g}", flush=True)
+        worst = max(worst, err if not math.isnan(err) else float("inf"))
     return ok, f"max out err {worst:.3g}"
 
 
@@ -187,35 +194,29 @@ def check_backward(fn, key, device, strided: bool = True) -> tuple[bool, str]:
     import torch
 
     dtype = getattr(torch, key.dtype)
-    g, d = key.group, key.head_dim
     names = ("dq",) if key.op == "dq" else ("dk", "dv")
     worst, ok = 0.0, True
-    for b, hkv, lq, lk in SHAPES:
-        for layout in ("bhld", "blhd") if strided else ("bhld",):
-            hq = hkv * g
-            q = _tensor(b, hq, lq, d, dtype, device, layout)
-            k = _tensor(b, hkv, lk, d, dtype, device, layout)
-            v = _tensor(b, hkv, lk, d, dtype, device, layout)
-            do = _tensor(b, hq, lq, d, dtype, device, layout)
-            scale = 1 / math.sqrt(d)
-            out, lse, exact = _grads(q, k, v, do, key.causal, scale, torch.float64)
-            _, _, lowp = _grads(q, k, v, do, key.causal, scale, dtype)
-            delta = (do.double() * out).sum(-1).float().contiguous()
-            ours = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), delta,
-                                 scale, layout)
-            if q.is_cuda:
-                torch.cuda.synchronize()
-            pick = (0,) if key.op == "dq" else (1, 2)
-            for name, o, i in zip(names, ours, pick, strict=True):
-                err = (o.double() - exact[i]).abs().max().item()
-                base = (lowp[i].double() - exact[i]).abs().max().item()
-                bound = 3 * base + FLOOR[key.dtype]
-                if math.isnan(err) or err > bound:
-                    ok = False
-                    print(f"   FAIL {key.name} {layout} b{b} hkv{hkv} lq{lq} lk{lk}: {name} err "
-                          f"{err:.3g} > bound {bound:.3g} (torch {key.dtype} err {base:.3g})",
-                          flush=True)
-                worst = max(worst, err if not math.isnan(err) else float("inf"))
+    for b, hkv, lq, lk, layout, q, k, v in _cases(key, device, strided):
+        do = _tensor(*q.shape[:3], key.head_dim, dtype, device, layout)
+        scale = 1 / math.sqrt(key.head_dim)
+        out, lse, exact = _grads(q, k, v, do, key.causal, scale, torch.float64)
+        _, _, lowp = _grads(q, k, v, do, key.causal, scale, dtype)
+        delta = (do.double() * out).sum(-1).float().contiguous()
+        ours = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), delta,
+                             scale, layout)
+        if q.is_cuda:
+            torch.cuda.synchronize()
+        pick = (0,) if key.op == "dq" else (1, 2)
+        for name, o, i in zip(names, ours, pick, strict=True):
+            err = (o.double() - exact[i]).abs().max().item()
+            base = (lowp[i].double() - exact[i]).abs().max().item()
+            bound = 3 * base + FLOOR[key.dtype]
+            if math.isnan(err) or err > bound:
+                ok = False
+                print(f"   FAIL {key.name} {layout} b{b} hkv{hkv} lq{lq} lk{lk}: {name} err "
+                      f"{err:.3g} > bound {bound:.3g} (torch {key.dtype} err {base:.3g})",
+                      flush=True)
+            worst = max(worst, err if not math.isnan(err) else float("inf"))
     return ok, f"max grad err {worst:.3g}"
 
 

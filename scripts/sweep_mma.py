@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import pathlib
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))  # bench.py
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 GEMMS = {"fwd": 2, "dq": 3, "dkv": 4}
@@ -200,23 +200,10 @@ def check(fn, op, d, dtype_name, causal, hq, hkv) -> tuple[bool, float]:
 
 
 def _time_ms(fn) -> float:
-    import torch
+    """bench.py's timer (triton's ``do_bench`` median, else CUDA events), 60 ms a figure."""
+    from bench import _time_ms as time_ms  # imported here: the build workers never need torch
 
-    try:
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=10, rep=60, return_mode="median"))
-    except ImportError:
-        fn()
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+    return time_ms(fn, 60)
 
 
 _TIMING_INPUTS: dict = {}
