@@ -84,10 +84,8 @@ F32 = "float32"
 WG = 128  # threads of a warpgroup
 OPS = ("fwd", "dq", "dkv")
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-# per op, the head dims written: a dK/dV thread holds both D / 2-register sums (D 192: 192 of
-# its 240) beside S^T and dP^T, which leaves no room above D 192 (those keys stay on the
-# mma.sync kernels)
-OP_HEAD_DIMS = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": (32, 64, 96, 128, 160, 192)}
+# per op, the head dims written (every one; dK/dV above D 192 with the split tile)
+OP_HEAD_DIMS = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": HEAD_DIMS}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
 _TMA = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
 # ``asm volatile("" : "+f"(r))``: pins an accumulator register in place around wgmma's
@@ -110,15 +108,18 @@ class HopperTile:
     """``consumers`` warpgroups of 64 rows each (plus the producer warpgroup); ``step`` rows of
     the other side per loop step; ``stages`` buffers in the TMA ring. Forward and dQ: the rows
     are queries, a step walks keys (K/V in the ring); dK/dV: the rows are keys, a step walks
-    queries (Q/dO and their LSE/Delta in the ring)."""
+    queries (Q/dO and their LSE/Delta in the ring). ``split`` (dK/dV only): both consumers work
+    on the same 64 keys, one accumulating dV and the other dK (each D / 2 registers a thread
+    instead of D), P^T passed between them through shared memory."""
 
     consumers: int = 2
     step: int = 128
     stages: int = 2
+    split: bool = False
 
     @property
     def rows(self) -> int:
-        return 64 * self.consumers
+        return 64 if self.split else 64 * self.consumers
 
     @property
     def threads(self) -> int:
@@ -131,8 +132,9 @@ class HopperTile:
             tiles = 2 * d * (self.rows + 2 * self.stages * self.step)
         else:
             tiles = 2 * d * (2 * self.rows + 2 * self.stages * self.step)
-            if op == "dkv":  # LSE and Delta rows
+            if op == "dkv":  # LSE and Delta rows; split: P^T's words, 4 bytes x 128 threads
                 tiles += self.stages * 2 * self.step * 4
+                tiles += self.stages * self.step // 4 * WG * 4 if self.split else 0
         return tiles + 1024
 
     def tile_config(self, op: str) -> TileConfig:
@@ -149,7 +151,8 @@ SERVED = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": (64, 96, 128, 160, 192)}
 """Per op, the head dims whose keys run on these kernels: each written one but dK/dV at D 32,
 which the ``mma.sync`` kernel runs faster (H200, bf16, N 4096, the kernel alone: 211 against
 188 TFLOP/s, causal 199 against 146; at D 64 it is 268 against 367, at D 128 259 against
-509)."""
+509), and at D 224/256, whose split tile (written 2026-12-01) has not run on a GPU yet:
+``scripts/sweep_hopper.py --ops dkv --head-dims 224,256`` checks and times it."""
 
 
 def writes(key: KernelKey) -> bool:
@@ -190,12 +193,15 @@ def _dq_tile(d: int) -> HopperTile:
 
 
 def _dkv_tile(d: int) -> HopperTile:
-    """dK/dV: 128 keys, three stages; 64-query steps up to D 128 (the highest register the
-    consumers touch, in ptxas's code: 235 of 240 at D 128), 32 at D 160 (225), 16 at D 192
-    (236), as dK and dV take D of a thread's 240 registers; 96 at D 64. H200, bf16, N 4096,
-    the kernel alone, TFLOP/s unmasked / causal: D 64 367 / 270 (64-query steps: 346 / 271,
-    two stages 336 / 257), D 128 509 / 448 (two stages 499 / 415), D 160 472 / 423 (454 / 387),
-    D 192 357 / 334 (314 / 294)."""
+    """dK/dV: above D 192 the split tile (64 keys, dV and dK in different warpgroups, 64-query
+    steps, two stages: 209 KiB of shared memory at D 256; not measured). Else 128 keys, three
+    stages; 64-query steps up to D 128 (the highest register the consumers touch, in ptxas's
+    code: 235 of 240 at D 128), 32 at D 160 (225), 16 at D 192 (236), as dK and dV take D of a
+    thread's 240 registers; 96 at D 64. H200, bf16, N 4096, the kernel alone, TFLOP/s unmasked
+    / causal: D 64 367 / 270 (64-query steps: 346 / 271, two stages 336 / 257), D 128 509 / 448
+    (two stages 499 / 415), D 160 472 / 423 (454 / 387), D 192 357 / 334 (314 / 294)."""
+    if d > 192:
+        return HopperTile(step=64, stages=2, split=True)
     return HopperTile(step=96 if d == 64 else 64 if d <= 128 else 32 if d == 160 else 16,
                       stages=3)
 
@@ -515,6 +521,9 @@ def kernel(key: KernelKey, tile_override: HopperTile | None = None):
     chosen = tile_override or tile(key)
     if chosen.step % 16:
         raise ValueError(f"{key.name}: tile {chosen}: the step must be a multiple of 16 rows")
+    if chosen.split and (key.op != "dkv" or chosen.consumers != 2):
+        raise ValueError(f"{key.name}: tile {chosen}: a split tile is a dK/dV one of two "
+                         "consumer warpgroups")
     if chosen.smem_bytes(key.head_dim, key.op) > SMEM_LIMIT:
         raise ValueError(f"{key.name}: tile {chosen} needs "
                          f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "
@@ -779,9 +788,16 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     column (query), rounded, and dV += P^T dO issued (P^T from registers, dO read MN-major)
     while dP^T runs on; once dP^T is complete, dS^T = P^T (dP^T - Delta) rounded and dK += dS^T
     Q issued (Q MN-major); once both are complete every consumer thread releases the stage
-    (its own reads of the stage's LSE and Delta are done by then)."""
+    (its own reads of the stage's LSE and Delta are done by then).
+
+    ``tile.split`` (D 224/256, where dK and dV of 64 keys would take a thread's 224/256 of 240
+    registers): the block owns 64 keys and its consumers split the work — the first computes
+    S^T and P^T, hands P^T's words to the second through shared memory (one slot per stage, a
+    "P ready" mbarrier per stage) and accumulates dV += P^T dO; the second computes dP^T, waits
+    for P^T, and accumulates dK += dS^T Q. Four GEMMs a step as before, two per warpgroup, each
+    thread holding D / 2 registers of sums."""
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
-    BN, BQ, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
+    BN, BQ, ST, NC, SPLIT = tile.rows, tile.step, tile.stages, tile.consumers, tile.split
     NT = tile.threads
     ATOM = atom(D)
     NA, KA = D // ATOM, ATOM // 16
@@ -796,12 +812,83 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     q_off = 2 * k_bytes
     do_off = q_off + ST * q_bytes
     stat_off = do_off + ST * q_bytes
-    bar_off = stat_off + ST * 2 * BQ * 4
-    NB = 1 + 2 * ST  # K and V; full, empty per stage
-    FULL, EMPTY = 1, 1 + ST
+    slot_off = stat_off + ST * 2 * BQ * 4
+    NW = BQ // 4  # split: P^T's 32-bit words a thread hands over a step
+    bar_off = slot_off + (ST * NW * WG * 4 if SPLIT else 0)
+    NB = 1 + (3 if SPLIT else 2) * ST  # K and V; full, empty (split: P ready) per stage
+    FULL, EMPTY, PREADY = 1, 1 + ST, 1 + 2 * ST
     pool_bytes = bar_off + 8 * NB
     qt_ldo, qt_sdo = BQ * ROW, 8 * ROW  # Q and dO read MN-major (dK += dS^T Q, dV += P^T dO)
     regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
+
+    @T.macro
+    def probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk):
+        """P^T of a complete S^T: rounded to the input dtype (``p``, and as float in ``st``),
+        0 where the causal mask hides the key."""
+        # element e: key row ``key_row + e % 4 // 2 * 8``, query column ``q0 + col(e)``
+        for e in T.unroll(NS * 4):
+            st[e] = T.cast(T.cast(_prob(st[e], scale,
+                                        stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2], False),
+                                  dtype), F32)
+        # the columns past Lq need no mask (LSE +inf there): only the causal diagonal
+        if _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq, Lk, transposed=True):
+            for e in T.unroll(NS * 4):
+                if not visible(causal, q0 + e // 4 * 8 + lane % 4 * 2 + e % 2,
+                               key_row + e % 4 // 2 * 8, Lq, Lk):
+                    st[e] = T.float32(0)
+        for e in T.unroll(NS * 4):
+            p[e] = T.cast(st[e], dtype)
+
+    @T.macro
+    def step_dv(st, p, pw, dv, Qs, dOs, stats, slots, bars, ka, bq, bdot, i, q0, key_row, row0,
+                lane, t, scale, Lq, Lk):
+        """Split, the dV warpgroup's step: S^T, P^T (handed over), dV += P^T dO."""
+        sg = T.meta_var(i % ST)
+        _desc(bq[0], T.address_of(Qs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
+        _desc(bdot[0], T.address_of(dOs[sg, 0, 0, 0]), qt_ldo, qt_sdo, SW)
+        T.cuda.mbarrier_wait(T.address_of(bars[FULL + sg]), i // ST % 2)
+        pin(st, NS * 4)
+        T.ptx.wgmma.fence.sync.aligned()
+        gemm_ss(mma_s, st, NS * 4, ka[0], BN, bq[0], BQ, D // 16, KA, ROW)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        pin(st, NS * 4)
+        probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk)
+        pin_u32(pw, NW)
+        for j in T.unroll(NW):  # the dK warpgroup's thread t holds the same elements of dP^T
+            slots[sg, j, t] = pw[j]
+        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[PREADY + sg]))
+        pin(dv, NO * 4)
+        T.ptx.wgmma.fence.sync.aligned()
+        gemm_rs(mma_o, dv, NO * 4, pw, bdot[0], BQ // 16, ROW)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        pin(dv, NO * 4)
+        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
+
+    @T.macro
+    def step_dk(dpt, p, pw, ds, dsw, dk, Qs, dOs, stats, slots, bars, va, bdo, bqt, i, lane, t):
+        """Split, the dK warpgroup's step: dP^T, P^T from the dV warpgroup, dK += dS^T Q."""
+        sg = T.meta_var(i % ST)
+        _desc(bdo[0], T.address_of(dOs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
+        _desc(bqt[0], T.address_of(Qs[sg, 0, 0, 0]), qt_ldo, qt_sdo, SW)
+        T.cuda.mbarrier_wait(T.address_of(bars[FULL + sg]), i // ST % 2)
+        pin(dpt, NS * 4)
+        T.ptx.wgmma.fence.sync.aligned()
+        gemm_ss(mma_s, dpt, NS * 4, va[0], BN, bdo[0], BQ, D // 16, KA, ROW)
+        T.cuda.mbarrier_wait(T.address_of(bars[PREADY + sg]), i // ST % 2)
+        for j in T.unroll(NW):
+            pw[j] = slots[sg, j, t]
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        pin(dpt, NS * 4)
+        for e in T.unroll(NS * 4):
+            ds[e] = T.cast(T.cast(p[e], F32) * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2
+                                                                 + e % 2]), dtype)
+        pin_u32(dsw, NW)
+        pin(dk, NO * 4)
+        T.ptx.wgmma.fence.sync.aligned()
+        gemm_rs(mma_o, dk, NO * 4, dsw, bqt[0], BQ // 16, ROW)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        pin(dk, NO * 4)
+        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
 
     @T.macro
     def step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo, bqt,
@@ -820,19 +907,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         gemm_ss(mma_s, dpt, NS * 4, va[0], BN, bdo[0], BQ, D // 16, KA, ROW)
         T.ptx.wgmma.wait_group.sync.aligned(1)  # S^T done
         pin(st, NS * 4)
-        # element e: key row ``key_row + e % 4 // 2 * 8``, query column ``q0 + col(e)``
-        for e in T.unroll(NS * 4):
-            st[e] = T.cast(T.cast(_prob(st[e], scale,
-                                        stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2], False),
-                                  dtype), F32)
-        # the columns past Lq need no mask (LSE +inf there): only the causal diagonal
-        if _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq, Lk, transposed=True):
-            for e in T.unroll(NS * 4):
-                if not visible(causal, q0 + e // 4 * 8 + lane % 4 * 2 + e % 2,
-                               key_row + e % 4 // 2 * 8, Lq, Lk):
-                    st[e] = T.float32(0)
-        for e in T.unroll(NS * 4):
-            p[e] = T.cast(st[e], dtype)
+        probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk)
         pin_u32(pw, NS * 2)
         pin(dv, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
@@ -933,6 +1008,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                             scope="shared.dyn")
         stats = T.decl_buffer((ST, 2, BQ), F32, data=pool.data, elem_offset=stat_off // 4,
                               scope="shared.dyn")  # LSE, Delta of the stage's queries
+        slots = T.decl_buffer((ST, NW, WG) if SPLIT else (1,), "uint32", data=pool.data,
+                              elem_offset=slot_off // 4, scope="shared.dyn")  # split: P^T
         bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
                              scope="shared.dyn")
         dKf = T.decl_buffer((B * kob,), dtype, data=dK.data)
@@ -954,7 +1031,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             for i in T.unroll(NB):
                 T.ptx.mbarrier.init.shared.b64(
                     T.address_of(bars[i]),
-                    T.uint32(1 if i < FULL else 32 if i < EMPTY else WG * NC))
+                    T.uint32(1 if i < FULL else 32 if i < EMPTY else WG * NC if i < PREADY
+                             else WG))
             T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
 
@@ -1011,13 +1089,40 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             bdot = T.alloc_buffer((1,), "uint64", scope="local")
             cw = T.meta_var(tx // WG - 1)
             lane = T.meta_var(tx % 32)
-            row0 = T.meta_var(c[2] + cw * 64)  # the warpgroup's first key
+            row0 = T.meta_var(c[2] + (0 if SPLIT else cw * 64))  # the warpgroup's first key
             key_row = T.meta_var(row0 + tx % WG // 32 * 16 + lane // 4)  # + 8 r
 
-            for e in T.unroll(NO * 4):
-                dk[e] = T.float32(0)
-                dv[e] = T.float32(0)
-            if c[5] > 0:
+            if SPLIT:  # each warpgroup its own sums, set inside its branch (else both are live
+                # where the branch starts: 2 D / 2 registers)
+                if cw == 0:
+                    for e in T.unroll(NO * 4):
+                        dv[e] = T.float32(0)
+                    if c[5] > 0:
+                        _desc(ka[0], T.address_of(Ks[0, 0, 0]), 1, 8 * ROW, SW)
+                        T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
+                        first(w, c)
+                        for i in T.serial(c[5]):
+                            step_dv(st, p, pw, dv, Qs, dOs, stats, slots, bars, ka, bq, bdot, i,
+                                    w[0], key_row, row0, lane, tx % WG, scale, Lq, Lk)
+                            advance(w, c, Lq)
+                    store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk)
+                else:
+                    for e in T.unroll(NO * 4):
+                        dk[e] = T.float32(0)
+                    if c[5] > 0:
+                        _desc(va[0], T.address_of(Vs[0, 0, 0]), 1, 8 * ROW, SW)
+                        T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
+                        first(w, c)
+                        for i in T.serial(c[5]):
+                            step_dk(dpt, p, pw, ds, dsw, dk, Qs, dOs, stats, slots, bars, va,
+                                    bdo, bqt, i, lane, tx % WG)
+                            advance(w, c, Lq)
+                    store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk)
+            else:
+                for e in T.unroll(NO * 4):
+                    dk[e] = T.float32(0)
+                    dv[e] = T.float32(0)
+            if not SPLIT and c[5] > 0:
                 _desc(ka[0], T.address_of(Ks[0, cw * 64, 0]), 1, 8 * ROW, SW)
                 _desc(va[0], T.address_of(Vs[0, cw * 64, 0]), 1, 8 * ROW, SW)
                 T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
@@ -1026,8 +1131,9 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                     step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo,
                          bqt, bdot, i, w[0], key_row, row0, lane, scale, Lq, Lk)
                     advance(w, c, Lq)
-            store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk)
-            store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk)
+            if not SPLIT:
+                store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk)
+                store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk)
 
     return flash_dkv
 
