@@ -15,6 +15,7 @@ from checks import FLOOR, _err, make_inputs, reference
 
 from tvm_flash import attention
 from tvm_flash.distributed import ring_attention, shard, unshard
+from tvm_flash.nn import SelfAttention
 
 WORLD = 2
 CASES = [  # b, hq, hkv, length, d, causal, dtype
@@ -70,6 +71,41 @@ def test_ring_matches_one_process(case, tmp_path):
         # partials merged in fp32 and rounded once more: as close to the single pass as
         # either is to float64
         assert _err(r, s)[0] <= err + _err(s, e)[0] + FLOOR[dtype], name
+
+
+def _layer_rank(rank, init, tmp, x, state):
+    """One rank of a context-parallel SelfAttention: its shard of x in, its shard out."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        layer = SelfAttention(128, 4, 2, cp_group=dist.group.WORLD)
+        layer.load_state_dict(state)
+        xs = shard(x, rank, WORLD, dim=1).requires_grad_()
+        out = layer(xs)
+        out.square().sum().backward()
+        torch.save([out.detach(), xs.grad, layer.qkv.weight.grad], tmp / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_layer_matches_one_process(tmp_path):
+    """SelfAttention(cp_group=...) on two ranks: the output and x's gradient are the single
+    layer's, and the weight gradients summed over the ranks (what a data-parallel reduction
+    does) are the single layer's."""
+    torch.manual_seed(2)
+    layer = SelfAttention(128, 4, 2)
+    x = torch.randn(2, 32, 128)
+    xs = x.clone().requires_grad_()
+    out = layer(xs)
+    out.square().sum().backward()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_layer_rank, args=(init, tmp_path, x, layer.state_dict()), nprocs=WORLD,
+             join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert _err(unshard([p[0] for p in parts], dim=1), out.detach())[0] < 1e-4
+    assert _err(unshard([p[1] for p in parts], dim=1), xs.grad)[0] < 1e-3
+    assert _err(parts[0][2] + parts[1][2], layer.qkv.weight.grad)[0] < 1e-3
+    with pytest.raises(ValueError, match="cp_group"):
+        SelfAttention(128, 4, cp_group=object(), impl="sdpa")
 
 
 def test_zigzag_shards_round_trip_and_balance():

@@ -38,10 +38,16 @@ class SelfAttention(nn.Module):
     ``heads`` query heads of size ``width // heads`` and ``kv_heads`` key/value heads
     (``kv_heads`` divides ``heads``; fewer is GQA). ``impl="tvm"`` uses tvm-flash,
     ``impl="sdpa"`` torch SDPA — the same module otherwise, for A/B comparisons.
+
+    ``cp_group`` (a ``torch.distributed`` process group, ``impl="tvm"``): context parallel —
+    ``x`` is this rank's zig-zag shard of the sequence (``tvm_flash.distributed.shard`` along
+    dim 1), the projections run on it locally and attention runs as a ring over the group
+    (:func:`tvm_flash.distributed.ring_attention`); the output is this rank's shard. A rotary
+    embedding must then be given the shard's positions.
     """
 
     def __init__(self, width: int, heads: int, kv_heads: int | None = None, *,
-                 causal: bool = True, impl: str = "tvm", bias: bool = False):
+                 causal: bool = True, impl: str = "tvm", bias: bool = False, cp_group=None):
         super().__init__()
         kv_heads = kv_heads or heads
         if width % heads:
@@ -50,6 +56,10 @@ class SelfAttention(nn.Module):
             raise ValueError(f"kv_heads: {kv_heads} does not divide heads={heads}")
         if impl not in ("tvm", "sdpa"):
             raise ValueError(f"impl: {impl!r} is not 'tvm' or 'sdpa'")
+        if cp_group is not None and impl != "tvm":
+            raise ValueError("cp_group: context parallelism runs tvm-flash's ring; use "
+                             "impl='tvm'")
+        self.cp_group = cp_group
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
         self.causal, self.impl = causal, impl
         self.qkv = nn.Linear(width, (heads + 2 * kv_heads) * self.head_dim, bias=bias)
@@ -65,7 +75,12 @@ class SelfAttention(nn.Module):
         if rotary is not None:
             q, k = rotary(q), rotary(k)
         gqa = self.kv_heads != self.heads
-        if self.impl == "tvm":
+        if self.cp_group is not None:
+            from .distributed import ring_attention  # torch.distributed only when asked for
+
+            o = ring_attention(q, k, v, group=self.cp_group, is_causal=self.causal,
+                               enable_gqa=gqa)
+        elif self.impl == "tvm":
             o = attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
         else:
             o = torch.nn.functional.scaled_dot_product_attention(
