@@ -18,20 +18,22 @@ from tvm_flash.distributed import ring_attention, shard, unshard
 from tvm_flash.nn import SelfAttention
 
 WORLD = 2
-CASES = [  # b, hq, hkv, length, d, causal, dtype
-    (1, 4, 2, 64, 64, True, torch.float32),
-    (2, 2, 2, 40, 32, False, torch.float32),
-    (1, 2, 1, 64, 64, True, torch.bfloat16),
+CASES = [  # b, hq, hkv, length, d, causal, dtype, ranks
+    (1, 4, 2, 64, 64, True, torch.float32, 2),
+    (2, 2, 2, 40, 32, False, torch.float32, 2),
+    (1, 2, 1, 64, 64, True, torch.bfloat16, 2),
+    (1, 4, 2, 96, 64, True, torch.float32, 3),  # the dK/dV sums pass through a third rank
 ]
 
 
 def _rank(rank, init, tmp, case, inputs):
     """One rank: its shards through the ring, forward and backward; results to ``tmp``."""
     os.environ.setdefault("TVM_FLASH_JIT", "1")
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    world = case[7]
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         causal = case[5]
-        q, k, v, do = (shard(t, rank, WORLD) for t in inputs)
+        q, k, v, do = (shard(t, rank, world) for t in inputs)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = ring_attention(*leaves, is_causal=causal, enable_gqa=True)
         out.backward(do)
@@ -41,9 +43,9 @@ def _rank(rank, init, tmp, case, inputs):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}-{c[2]}l{c[3]}d{c[4]}"
-                         f"{'-causal' if c[5] else ''}-{str(c[6])[6:]}")
+                         f"{'-causal' if c[5] else ''}-{str(c[6])[6:]}-x{c[7]}")
 def test_ring_matches_one_process(case, tmp_path):
-    b, hq, hkv, length, d, causal, dtype = case
+    b, hq, hkv, length, d, causal, dtype, world = case
     torch.manual_seed(0)
     inputs = make_inputs(b, hq, hkv, length, length, d, dtype, "cpu")
     # the whole sequence in this process first (unmasked too: the ring's off-diagonal blocks
@@ -55,8 +57,8 @@ def test_ring_matches_one_process(case, tmp_path):
         out.backward(inputs[3])
         single = single or [out.detach(), *(t.grad for t in leaves)]
     init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_rank, args=(init, tmp_path, case, inputs), nprocs=WORLD, join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    mp.spawn(_rank, args=(init, tmp_path, case, inputs), nprocs=world, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     ring = [unshard([p[i] for p in parts]) for i in range(4)]
 
     mode = "top-left" if causal else "none"

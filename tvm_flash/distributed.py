@@ -130,28 +130,35 @@ def _backward(ring: _Ring, do, q, k, v, out, lse, causal: bool, scale: float):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = (k, v)
     # the fp32 sums of the travelling shard's dK, dV: each rank adds its part, then passes
-    # them on; after the last step they take one more hop, home to the shard's owner
+    # them on; after the last step they take one more hop, home to the shard's owner. A hop
+    # of the sums overlaps the next shard's kernels: the sums are awaited only to add to them.
     sums = (torch.zeros(k.shape, dtype=torch.float32, device=k.device),
             torch.zeros(v.shape, dtype=torch.float32, device=v.device))
+    arrived, sum_reqs = sums, None
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
         if step + 1 < ring.world:  # the next shard's k, v travel while this one is computed
             nxt, kv_reqs = ring.start(kv)
+        parts = []
         for qh, kh, diag in _pairs(ring.rank, src, causal):
-            lse_rows = _rows(lse, qh).contiguous()
             pdq, pdk, pdv, _ = flash_backward(_rows(do, qh), _rows(q, qh), _rows(kv[0], kh),
-                                              _rows(kv[1], kh), _rows(out, qh), lse_rows, None,
+                                              _rows(kv[1], kh), _rows(out, qh),
+                                              _rows(lse, qh).contiguous(), None,
                                               "top-left" if diag else "none", scale)
             _rows(dq, qh).add_(pdq.float())
+            parts.append((kh, pdk, pdv))
+        if sum_reqs is not None:  # the sums of this step's shard, from the previous rank
+            ring.finish(sum_reqs)
+            sums = tuple(arrived)
+        for kh, pdk, pdv in parts:
             _rows(sums[0], kh).add_(pdk.float())
             _rows(sums[1], kh).add_(pdv.float())
-        passed, sum_reqs = ring.start(sums)
-        ring.finish(sum_reqs)
-        sums = tuple(passed)
+        arrived, sum_reqs = ring.start(sums)
         if step + 1 < ring.world:
             ring.finish(kv_reqs)
             kv = tuple(nxt)
-    return dq.to(q.dtype), sums[0].to(k.dtype), sums[1].to(v.dtype)
+    ring.finish(sum_reqs)  # home
+    return dq.to(q.dtype), arrived[0].to(k.dtype), arrived[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
