@@ -116,6 +116,10 @@ def test_every_hopper_key_lowers_to_wgmma_and_tma(key):
                    "_ss_mma_async", "_rs_mma_async"):  # operands from shared memory; A in regs
         assert needle in src, needle
     assert "mma.sync" not in src and "ldmatrix" not in src
+    # every tensor copy starts at a row (16-byte aligned): a 1-D copy of LSE rows started at
+    # any float and stopped the H200 with "illegal instruction" (cuda_hopper.flash_dkv)
+    assert re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", src) and all(
+        n == "4" for n in re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", src))
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
