@@ -198,8 +198,10 @@ def _dkv_tile(d: int) -> HopperTile:
     stages; 64-query steps up to D 128 (the highest register the consumers touch, in ptxas's
     code: 235 of 240 at D 128), 32 at D 160 (225), 16 at D 192 (236), as dK and dV take D of a
     thread's 240 registers; 96 at D 64. H200, bf16, N 4096, the kernel alone, TFLOP/s unmasked
-    / causal: D 64 367 / 270 (64-query steps: 346 / 271, two stages 336 / 257), D 128 509 / 448
-    (two stages 499 / 415), D 160 472 / 423 (454 / 387), D 192 357 / 334 (314 / 294)."""
+    / causal, as swept (one arrival per warp): D 64 367 / 270 (64-query steps: 346 / 271, two
+    stages 336 / 257), D 128 509 / 448 (two stages 499 / 415), D 160 472 / 423 (454 / 387),
+    D 192 357 / 334 (314 / 294); with every thread releasing a stage (this code): D 128
+    549 / 452, D 160 499 / 424, D 192 343 / 340 (ptxas spills 204 bytes unmasked)."""
     if d > 192:
         return HopperTile(step=64, stages=2, split=True)
     return HopperTile(step=96 if d == 64 else 64 if d <= 128 else 32 if d == 160 else 16,
