@@ -75,6 +75,38 @@ def test_ring_matches_one_process(case, tmp_path):
         assert _err(r, s)[0] <= err + _err(s, e)[0] + FLOOR[dtype], name
 
 
+def _sinks_rank(rank, init, tmp, inputs, sinks):
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        q, k, v, do = (shard(t, rank, WORLD) for t in inputs)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        out = ring_attention(*leaves[:3], is_causal=True, enable_gqa=True, sinks=leaves[3])
+        out.backward(do)
+        torch.save([out.detach(), *(t.grad for t in leaves)], tmp / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ring_with_sinks(tmp_path):
+    """Sinks fold into the merged rows once; their gradient, summed over the ranks, is the
+    single process's."""
+    torch.manual_seed(3)
+    inputs = make_inputs(1, 4, 2, 64, 64, 64, torch.float32, "cpu")
+    sinks = torch.randn(4)
+    leaves = [t.clone().requires_grad_() for t in (*inputs[:3], sinks)]
+    single = attention(*leaves[:3], is_causal=True, enable_gqa=True, sinks=leaves[3])
+    single.backward(inputs[3])
+    for causal in (True, False):  # the ring's kernels (no sinks: it folds them itself)
+        warm = [t.clone().requires_grad_() for t in inputs[:3]]
+        attention(*warm, is_causal=causal, enable_gqa=True).backward(inputs[3])
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_sinks_rank, args=(init, tmp_path, inputs, sinks), nprocs=WORLD, join=True)
+    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for i, want in enumerate([single.detach(), *(t.grad for t in leaves[:3])]):
+        assert _err(unshard([p[i] for p in parts]), want)[0] < 1e-4, i
+    assert _err(parts[0][4] + parts[1][4], leaves[3].grad)[0] < 1e-4
+
+
 def _layer_rank(rank, init, tmp, x, state):
     """One rank of a context-parallel SelfAttention: its shard of x in, its shard out."""
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)

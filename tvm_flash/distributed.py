@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import kernel_view
-from .ops import check_inputs, flash_backward, flash_forward
+from .ops import check_inputs, flash_backward, flash_forward, sink_gradient
 
 
 def shard(x: torch.Tensor, rank: int, world: int, dim: int = 2) -> torch.Tensor:
@@ -123,7 +123,7 @@ def _forward(ring: _Ring, q, k, v, causal: bool, scale: float):
         if step + 1 < ring.world:
             ring.finish(reqs)
             kv = tuple(nxt)
-    return out.to(q.dtype), lse
+    return out, lse
 
 
 def _backward(ring: _Ring, do, q, k, v, out, lse, causal: bool, scale: float):
@@ -161,27 +161,43 @@ def _backward(ring: _Ring, do, q, k, v, out, lse, causal: bool, scale: float):
     return dq.to(q.dtype), arrived[0].to(k.dtype), arrived[1].to(v.dtype)
 
 
+def _fold_sinks(out, lse, sinks):
+    """Add each head's sink (a key with no value) to the merged rows: the denominator gains
+    ``exp(sink)``, so the output shrinks by ``exp(lse - lse')`` and the LSE becomes ``lse'``
+    (a row with no key: output 0, LSE = the sink), as the single-device forward does."""
+    new = torch.logaddexp(lse, sinks[None, :, None].expand_as(lse))
+    out.mul_(torch.where(torch.isfinite(lse), torch.exp(lse - new), 0.0).unsqueeze(-1))
+    return new
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale):
+    def forward(ctx, q, k, v, sinks, group, causal, scale):
         ring = _Ring(group)
         # k and v travel: point-to-point transfers need them contiguous
         q, k, v = kernel_view(q), kernel_view(k).contiguous(), kernel_view(v).contiguous()
         out, lse = _forward(ring, q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            lse = _fold_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.ring, kernel_view(dout), q, k, v, out, lse, ctx.causal,
-                               ctx.scale)
-        return dq, dk, dv, None, None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = kernel_view(dout)
+        dq, dk, dv = _backward(ctx.ring, dout, q, k, v, out, lse, ctx.causal, ctx.scale)
+        dsinks = None
+        if sinks is not None:  # this rank's rows' part (see ring_attention)
+            delta = (dout.float() * out.float()).sum(-1)
+            dsinks = sink_gradient(sinks, lse, delta)
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def ring_attention(q, k, v, *, group=None, is_causal: bool = False, scale: float | None = None,
-                   enable_gqa: bool = False):
+                   enable_gqa: bool = False, sinks: torch.Tensor | None = None):
     """Attention over a sequence sharded across ``group`` (default: the world), forward and
     backward, equal to ``tvm_flash.attention`` on the whole sequence.
 
@@ -195,23 +211,28 @@ def ring_attention(q, k, v, *, group=None, is_causal: bool = False, scale: float
             top-left and bottom-right coincide).
         scale: softmax scale, default ``1 / sqrt(D)``.
         enable_gqa: allow ``Hkv < Hq`` as in :func:`tvm_flash.attention`.
+        sinks: optional sink logits ``(Hq,)``, as in :func:`tvm_flash.attention`, the same on
+            every rank. Its gradient on each rank is the part of this rank's rows: sum it over
+            the group (as a data-parallel reduction of a replicated parameter does).
 
     Returns:
         this rank's output ``(B, Hq, L / W, D)`` (its shard of the whole output), in q's dtype.
 
-    Every rank calls it with the same shapes. Sinks and ``Lq != Lk`` are not supported here
-    (use :func:`tvm_flash.attention` on one device). The local length must be even (two
-    zig-zag chunks).
+    Every rank calls it with the same shapes. ``Lq != Lk`` is not supported here (use
+    :func:`tvm_flash.attention` on one device). The local length must be even (two zig-zag
+    chunks).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("ring_attention: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group first")
     scale = check_inputs(q, k, v, causal="top-left" if is_causal else "none", scale=scale,
-                         enable_gqa=enable_gqa)
+                         enable_gqa=enable_gqa, sinks=sinks)
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k: local length {k.shape[2]} differs from q's {q.shape[2]}; the ring "
                          "shards queries and keys of one sequence alike")
     if q.shape[2] % 2:
         raise ValueError(f"q: local length {q.shape[2]} is odd; a zig-zag shard is two equal "
                          "chunks (the whole length a multiple of 2 x world size)")
-    return _RingAttention.apply(q, k, v, group, bool(is_causal), scale)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()  # differentiable cast: the gradient flows back
+    return _RingAttention.apply(q, k, v, sinks, group, bool(is_causal), scale)
