@@ -178,9 +178,14 @@ def test_ring_of_one_rank_is_attention(tmp_path):
         torch.manual_seed(1)
         q, k, v, _ = make_inputs(1, 2, 2, 24, 24, 64, torch.float32, "cpu")
         for causal in (False, True):
-            ring = ring_attention(q, k, v, is_causal=causal)
-            one = attention(q, k, v, is_causal=causal)
-            assert _err(ring, one)[0] <= 1e-5
+            grads = []
+            for fn in (ring_attention, attention):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = fn(*leaves, is_causal=causal)
+                out.backward(q)
+                grads.append([out.detach(), *(t.grad for t in leaves)])
+            for r, o in zip(*grads, strict=True):
+                assert _err(r, o)[0] <= 1e-5
     finally:
         dist.destroy_process_group()
 
