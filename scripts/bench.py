@@ -71,6 +71,22 @@ def _tensor(b, h, n, d, dtype, layout):
     return torch.randn(b, h, n, d, dtype=dtype, device="cuda")
 
 
+def _event_ms(fn, reps: int, before=None) -> float:
+    """Median of ``reps`` CUDA-event timings of ``fn``; ``before()``, if given, runs ahead of
+    each one, untimed."""
+    times = []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
 def _time_ms(fn, reps: int) -> float:
     try:
         from triton.testing import do_bench
@@ -79,15 +95,7 @@ def _time_ms(fn, reps: int) -> float:
     except ImportError:
         for _ in range(3):
             fn()
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
+        return _event_ms(fn, 20)
 
 
 def _measure(run, q, k, v, do, causal, reps):

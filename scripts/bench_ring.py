@@ -32,7 +32,10 @@ import time
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+from bench import _event_ms  # noqa: E402
+
 from tvm_flash.distributed import ring_attention  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -42,20 +45,14 @@ def _timed(fn, device, reps: int) -> float:
     """Median milliseconds of ``fn`` (after two warm-up calls), every rank in step."""
     for _ in range(2):
         fn()
+    if device.type == "cuda":
+        return _event_ms(fn, reps, before=dist.barrier)
     times = []
     for _ in range(reps):
         dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
