@@ -5,7 +5,7 @@ backward, and writes its output and gradient shards; the parent puts them back t
 checks them against the float64 reference (the usual bounds, tests/checks.py) and against
 single-process ``tvm_flash.attention`` on the whole sequence."""
 
-import os
+import contextlib
 
 import pytest
 import torch
@@ -26,20 +26,51 @@ CASES = [  # b, hq, hkv, length, d, causal, dtype, ranks
 ]
 
 
-def _rank(rank, init, tmp, case, inputs):
-    """One rank: its shards through the ring, forward and backward; results to ``tmp``."""
-    os.environ.setdefault("TVM_FLASH_JIT", "1")
-    world = case[7]
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+@contextlib.contextmanager
+def _group(tmp, rank: int = 0, world: int = 1):
+    """A gloo process group of ``world`` ranks meeting at a file in ``tmp``."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp / 'rendezvous'}", rank=rank,
+                            world_size=world)
     try:
-        causal = case[5]
-        q, k, v, do = (shard(t, rank, world) for t in inputs)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*leaves, is_causal=causal, enable_gqa=True)
-        out.backward(do)
-        torch.save([out.detach(), *(t.grad for t in leaves)], tmp / f"rank{rank}.pt")
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def _run_rank(rank, world, tmp, body, args):
+    with _group(tmp, rank, world):
+        torch.save(body(rank, world, *args), tmp / f"rank{rank}.pt")
+
+
+def _ranks(tmp, world, body, *args) -> list:
+    """Run ``body(rank, world, *args)`` in ``world`` processes of one group; what each
+    returned, in rank order."""
+    mp.spawn(_run_rank, args=(world, tmp, body, args), nprocs=world, join=True)
+    return [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
+
+
+def _single(inputs, causal: bool, sinks=None) -> list:
+    """Output and gradients (q, k, v[, sinks]) of ``attention`` on the whole sequence in this
+    process; then the other kernels the ring runs (unmasked off-diagonal blocks; no sinks: it
+    folds them itself), so the ranks find every kernel in the JIT cache they share."""
+    leaves = [t.clone().requires_grad_() for t in [*inputs[:3], sinks] if t is not None]
+    out = attention(*leaves[:3], is_causal=causal, enable_gqa=True,
+                    sinks=leaves[3] if sinks is not None else None)
+    out.backward(inputs[3])
+    for mode in (True, False) if sinks is not None else (False,) if causal else ():
+        warm = [t.clone().requires_grad_() for t in inputs[:3]]
+        attention(*warm, is_causal=mode, enable_gqa=True).backward(inputs[3])
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _ring_body(rank, world, causal, inputs, sinks=None):
+    """One rank: its shards through the ring, forward and backward."""
+    q, k, v, do = (shard(t, rank, world) for t in inputs)
+    leaves = [t.clone().requires_grad_() for t in [q, k, v, sinks] if t is not None]
+    out = ring_attention(*leaves[:3], is_causal=causal, enable_gqa=True,
+                         sinks=leaves[3] if sinks is not None else None)
+    out.backward(do)
+    return [out.detach(), *(t.grad for t in leaves)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}h{c[1]}-{c[2]}l{c[3]}d{c[4]}"
@@ -48,17 +79,8 @@ def test_ring_matches_one_process(case, tmp_path):
     b, hq, hkv, length, d, causal, dtype, world = case
     torch.manual_seed(0)
     inputs = make_inputs(b, hq, hkv, length, length, d, dtype, "cpu")
-    # the whole sequence in this process first (unmasked too: the ring's off-diagonal blocks
-    # are unmasked), so the ranks find every kernel in the JIT cache they share
-    single = None
-    for mode in ((True, False) if causal else (False,)):
-        leaves = [t.clone().requires_grad_() for t in inputs[:3]]
-        out = attention(*leaves, is_causal=mode, enable_gqa=True)
-        out.backward(inputs[3])
-        single = single or [out.detach(), *(t.grad for t in leaves)]
-    init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_rank, args=(init, tmp_path, case, inputs), nprocs=world, join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    single = _single(inputs, causal)
+    parts = _ranks(tmp_path, world, _ring_body, causal, inputs)
     ring = [unshard([p[i] for p in parts]) for i in range(4)]
 
     mode = "top-left" if causal else "none"
@@ -75,50 +97,27 @@ def test_ring_matches_one_process(case, tmp_path):
         assert _err(r, s)[0] <= err + _err(s, e)[0] + FLOOR[dtype], name
 
 
-def _sinks_rank(rank, init, tmp, inputs, sinks):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
-    try:
-        q, k, v, do = (shard(t, rank, WORLD) for t in inputs)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-        out = ring_attention(*leaves[:3], is_causal=True, enable_gqa=True, sinks=leaves[3])
-        out.backward(do)
-        torch.save([out.detach(), *(t.grad for t in leaves)], tmp / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def test_ring_with_sinks(tmp_path):
     """Sinks fold into the merged rows once; their gradient, summed over the ranks, is the
     single process's."""
     torch.manual_seed(3)
     inputs = make_inputs(1, 4, 2, 64, 64, 64, torch.float32, "cpu")
     sinks = torch.randn(4)
-    leaves = [t.clone().requires_grad_() for t in (*inputs[:3], sinks)]
-    single = attention(*leaves[:3], is_causal=True, enable_gqa=True, sinks=leaves[3])
-    single.backward(inputs[3])
-    for causal in (True, False):  # the ring's kernels (no sinks: it folds them itself)
-        warm = [t.clone().requires_grad_() for t in inputs[:3]]
-        attention(*warm, is_causal=causal, enable_gqa=True).backward(inputs[3])
-    init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_sinks_rank, args=(init, tmp_path, inputs, sinks), nprocs=WORLD, join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for i, want in enumerate([single.detach(), *(t.grad for t in leaves[:3])]):
+    single = _single(inputs, True, sinks)
+    parts = _ranks(tmp_path, WORLD, _ring_body, True, inputs, sinks)
+    for i, want in enumerate(single[:4]):
         assert _err(unshard([p[i] for p in parts]), want)[0] < 1e-4, i
-    assert _err(parts[0][4] + parts[1][4], leaves[3].grad)[0] < 1e-4
+    assert _err(parts[0][4] + parts[1][4], single[4])[0] < 1e-4
 
 
-def _layer_rank(rank, init, tmp, x, state):
+def _layer_body(rank, world, x, state):
     """One rank of a context-parallel SelfAttention: its shard of x in, its shard out."""
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
-    try:
-        layer = SelfAttention(128, 4, 2, cp_group=dist.group.WORLD)
-        layer.load_state_dict(state)
-        xs = shard(x, rank, WORLD, dim=1).requires_grad_()
-        out = layer(xs)
-        out.square().sum().backward()
-        torch.save([out.detach(), xs.grad, layer.qkv.weight.grad], tmp / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    layer = SelfAttention(128, 4, 2, cp_group=dist.group.WORLD)
+    layer.load_state_dict(state)
+    xs = shard(x, rank, world, dim=1).requires_grad_()
+    out = layer(xs)
+    out.square().sum().backward()
+    return [out.detach(), xs.grad, layer.qkv.weight.grad]
 
 
 def test_context_parallel_layer_matches_one_process(tmp_path):
@@ -131,10 +130,7 @@ def test_context_parallel_layer_matches_one_process(tmp_path):
     xs = x.clone().requires_grad_()
     out = layer(xs)
     out.square().sum().backward()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    mp.spawn(_layer_rank, args=(init, tmp_path, x, layer.state_dict()), nprocs=WORLD,
-             join=True)
-    parts = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    parts = _ranks(tmp_path, WORLD, _layer_body, x, layer.state_dict())
     assert _err(unshard([p[0] for p in parts], dim=1), out.detach())[0] < 1e-4
     assert _err(unshard([p[1] for p in parts], dim=1), xs.grad)[0] < 1e-3
     assert _err(parts[0][2] + parts[1][2], layer.qkv.weight.grad)[0] < 1e-3
@@ -158,23 +154,17 @@ def test_ring_needs_an_initialised_group():
 
 
 def test_ring_refuses_mismatched_local_lengths(tmp_path):
-    init = f"file://{tmp_path / 'rendezvous'}"
-    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-    try:
+    with _group(tmp_path):
         q = torch.randn(1, 2, 8, 64)
         with pytest.raises(ValueError, match="local length"):
             ring_attention(q, q[:, :, :6], q[:, :, :6])
         with pytest.raises(ValueError, match="odd"):
             ring_attention(q[:, :, :7], q[:, :, :7], q[:, :, :7])
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ring_of_one_rank_is_attention(tmp_path):
     """A one-rank group: the ring is the single-device call."""
-    init = f"file://{tmp_path / 'rendezvous'}"
-    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
-    try:
+    with _group(tmp_path):
         torch.manual_seed(1)
         q, k, v, _ = make_inputs(1, 2, 2, 24, 24, 64, torch.float32, "cpu")
         for causal in (False, True):
@@ -186,6 +176,4 @@ def test_ring_of_one_rank_is_attention(tmp_path):
                 grads.append([out.detach(), *(t.grad for t in leaves)])
             for r, o in zip(*grads, strict=True):
                 assert _err(r, o)[0] <= 1e-5
-    finally:
-        dist.destroy_process_group()
 
