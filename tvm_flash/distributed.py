@@ -78,10 +78,12 @@ class _Ring:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) \
-            if group is not None else (self.rank + 1) % self.world
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) \
-            if group is not None else (self.rank - 1) % self.world
+        self.next, self.prev = (self._global((self.rank + step) % self.world)
+                                for step in (1, -1))
+
+    def _global(self, rank: int) -> int:
+        """The global rank of the group's ``rank`` (point-to-point ops address those)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     def start(self, tensors):
         """Post the hop of ``tensors``; returns (received buffers, requests)."""
