@@ -84,7 +84,7 @@ F32 = "float32"
 WG = 128  # threads of a warpgroup
 OPS = ("fwd", "dq", "dkv")
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
-# per op, the head dims written (every one; dK/dV above D 192 with the split tile)
+# per op, the head dims written (every one; dK/dV from D 192 with the split tile)
 OP_HEAD_DIMS = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": HEAD_DIMS}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
 _TMA = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -147,12 +147,11 @@ class HopperTile:
 SMEM_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory with the opt-in
 
 
-SERVED = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": (64, 96, 128, 160, 192)}
+SERVED = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": HEAD_DIMS[1:]}
 """Per op, the head dims whose keys run on these kernels: each written one but dK/dV at D 32,
 which the ``mma.sync`` kernel runs faster (H200, bf16, N 4096, the kernel alone: 211 against
 188 TFLOP/s, causal 199 against 146; at D 64 it is 268 against 367, at D 128 259 against
-509), and at D 224/256, whose split tile (written 2026-12-01) has not run on a GPU yet:
-``scripts/sweep_hopper.py --ops dkv --head-dims 224,256`` checks and times it."""
+509, at D 256 206 against 541 with the split tile)."""
 
 
 def writes(key: KernelKey) -> bool:
@@ -182,30 +181,31 @@ def tile(key: KernelKey) -> HopperTile:
 
 
 def _dq_tile(d: int) -> HopperTile:
-    """dQ: 128 query rows; 128-key steps up to D 64, where S and dP (BK / 2 registers each)
-    and dS's words (BK / 4) fit beside dQ's D / 2 (ptxas: 222 registers at D 64); 64 up to
-    D 192; 32 above. Three stages where the ring fits beside the Q and dO tiles (up to D 160):
-    the dQ product waits on the stage of the step before, so a third stage keeps a load in
-    flight behind it (H200, bf16, N 4096, the kernel alone: D 128 660 TFLOP/s against 465 with
-    two stages, 494 with 96-key steps; D 64 508 against 375); two at D 192 (519)."""
-    return HopperTile(step=128 if d <= 64 else 64 if d <= 192 else 32,
-                      stages=3 if d <= 160 else 2)
+    """dQ: 128 query rows, three stages; 128-key steps up to D 64, where S and dP (BK / 2
+    registers each) and dS's words (BK / 4) fit beside dQ's D / 2 (ptxas: 222 registers at
+    D 64); 64 up to D 160; 32 above, where the third stage fits only beside shorter steps. The
+    dQ product waits on the stage of the step before, so a third stage keeps a load in flight
+    behind it. H200, bf16, N 4096, the kernel alone, TFLOP/s unmasked / causal: D 64 508
+    (two stages 375), D 128 660 (465; 96-key steps 494), D 192 592 / 498 (64-key steps, two
+    stages: 522 / 466), D 224 589 / 500 (358 / 357), D 256 597 / 524 (394 / 396)."""
+    return HopperTile(step=128 if d <= 64 else 64 if d <= 160 else 32, stages=3)
 
 
 def _dkv_tile(d: int) -> HopperTile:
-    """dK/dV: above D 192 the split tile (64 keys, dV and dK in different warpgroups, 64-query
-    steps, two stages: 209 KiB of shared memory at D 256; not measured). Else 128 keys, three
-    stages; 64-query steps up to D 128 (the highest register the consumers touch, in ptxas's
-    code: 235 of 240 at D 128), 32 at D 160 (225), 16 at D 192 (236), as dK and dV take D of a
-    thread's 240 registers; 96 at D 64. H200, bf16, N 4096, the kernel alone, TFLOP/s unmasked
-    / causal, as swept (one arrival per warp): D 64 367 / 270 (64-query steps: 346 / 271, two
-    stages 336 / 257), D 128 509 / 448 (two stages 499 / 415), D 160 472 / 423 (454 / 387),
-    D 192 357 / 334 (314 / 294); with every thread releasing a stage (this code): D 128
-    549 / 452, D 160 499 / 424, D 192 343 / 340 (ptxas spills 204 bytes unmasked)."""
-    if d > 192:
-        return HopperTile(step=64, stages=2, split=True)
-    return HopperTile(step=96 if d == 64 else 64 if d <= 128 else 32 if d == 160 else 16,
-                      stages=3)
+    """dK/dV: from D 192 the split tile (64 keys, dV and dK in different warpgroups, 64-query
+    steps; three stages where they fit, at D 192). Below, 128 keys and three stages; 64-query
+    steps up to D 128 (the highest register the consumers touch, in ptxas's code: 235 of 240
+    at D 128), 32 at D 160 (225), as dK and dV take D of a thread's 240 registers; 96 at D 64.
+    H200, bf16, N 4096, the kernel alone, TFLOP/s unmasked / causal: D 64 375 / 276 (split:
+    246 / 160), D 96 452 / 364 (311 / 224), D 128 537 / 449 (split, three stages: 414 / 301),
+    D 160 495 / 418 (440 / 330); D 192 split 502 / 388 (two stages 482 / 376; not split,
+    16-query steps, 345 / 339 with 204 bytes spilled), D 224 split 492 / 385, D 256 541 / 422
+    (32-query steps, three stages: 467 / 394; ``mma.sync`` 206 / 189). The split tile loses
+    below D 192: each warpgroup issues only half of a step's GEMMs, and 64 keys a block reread
+    Q and dO twice as often."""
+    if d >= 192:
+        return HopperTile(step=64, stages=3 if d == 192 else 2, split=True)
+    return HopperTile(step=96 if d == 64 else 64 if d <= 128 else 32, stages=3)
 
 
 @T.macro
@@ -792,8 +792,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     Q issued (Q MN-major); once both are complete every consumer thread releases the stage
     (its own reads of the stage's LSE and Delta are done by then).
 
-    ``tile.split`` (D 224/256, where dK and dV of 64 keys would take a thread's 224/256 of 240
-    registers): the block owns 64 keys and its consumers split the work — the first computes
+    ``tile.split`` (D 192 and up, where dK and dV of 64 keys would take a thread's 192–256 of
+    240 registers): the block owns 64 keys and its consumers split the work — the first computes
     S^T and P^T, hands P^T's words to the second through shared memory (one slot per stage, a
     "P ready" mbarrier per stage) and accumulates dV += P^T dO; the second computes dP^T, waits
     for P^T, and accumulates dK += dS^T Q. Four GEMMs a step as before, two per warpgroup, each

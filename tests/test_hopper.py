@@ -39,8 +39,8 @@ KEYS += [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a")
 
 @functools.cache
 def _source(key: KernelKey) -> str:
-    """CUDA source of the Hopper kernel of ``key``, served or not (dK/dV at D 32, 224 and 256
-    is written but not served, see ``cuda_hopper.SERVED``)."""
+    """CUDA source of the Hopper kernel of ``key``, served or not (dK/dV at D 32 is written
+    but not served, see ``cuda_hopper.SERVED``)."""
     if hopper.supports(key):
         return device_source(compile_module(key))
     with tvm.transform.PassContext(config=pass_config("cuda")):
@@ -60,14 +60,15 @@ def test_hopper_serves_the_sm90a_forward_and_backward():
                 KernelKey("bwd_pre", 128, "bfloat16", "none", 1, "cuda-sm_90a"),
                 KernelKey("dq_split", 128, "bfloat16", "none", 1, "cuda-sm_90a")):
         assert not hopper.writes(key), key.name
-    # dK/dV at D 32 (slower than mma.sync) and above D 192 (the split tile, not run on a GPU
-    # yet): written, and mma.sync serves them
+    # dK/dV at D 32 (slower than mma.sync): written, and mma.sync serves it
     mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
-    for d in (32, 224, 256):
+    key = KernelKey("dkv", 32, "bfloat16", "none", 1, "cuda-sm_90a")
+    assert hopper.writes(key) and not hopper.supports(key)
+    assert mma.supports(key) and schedules.lowers("cuda", key)
+    # from D 192 the split tile serves dK/dV
+    for d in hopper.HEAD_DIMS:
         key = KernelKey("dkv", d, "bfloat16", "none", 1, "cuda-sm_90a")
-        assert hopper.writes(key) and not hopper.supports(key)
-        assert mma.supports(key) and schedules.lowers("cuda", key)
-    assert hopper.tile(KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a")).split
+        assert hopper.tile(key).split == (d >= 192) and hopper.supports(key) == (d > 32)
 
 
 def test_backward_tiles_fit_shared_memory():
