@@ -110,12 +110,15 @@ class HopperTile:
     are queries, a step walks keys (K/V in the ring); dK/dV: the rows are keys, a step walks
     queries (Q/dO and their LSE/Delta in the ring). ``split`` (dK/dV only): both consumers work
     on the same 64 keys, one accumulating dV and the other dK (each D / 2 registers a thread
-    instead of D), P^T passed between them through shared memory."""
+    instead of D), P^T passed between them through shared memory. ``persistent`` (forward only):
+    where keys are few (``PERSISTENT_MAX_KEYS``), one block per SM, each walking query tiles in
+    turn, the loads of the next overlapping the end of this one."""
 
     consumers: int = 2
     step: int = 128
     stages: int = 2
     split: bool = False
+    persistent: bool = False
 
     @property
     def rows(self) -> int:
@@ -177,7 +180,10 @@ def tile(key: KernelKey) -> HopperTile:
         return _dq_tile(d)
     if key.op == "dkv":
         return _dkv_tile(d)
-    return HopperTile(step=128 if d <= 160 else 96 if d == 192 else 64)
+    # persistent where ptxas keeps it in registers and it was measured (D 96, 160-224 spill
+    # 4-200 bytes with the tile loop; D 256 lost up to 5% at N 1024 unmasked)
+    return HopperTile(step=128 if d <= 160 else 96 if d == 192 else 64,
+                      persistent=d in (32, 64, 128))
 
 
 def _dq_tile(d: int) -> HopperTile:
@@ -274,6 +280,23 @@ def _tmap(m, buf, box_cols: int, box_rows: int, swizzle: int):
                          0, swizzle, 2, 0)
 
 
+PERSISTENT_MAX_KEYS = 1024
+"""A persistent forward launches one block per SM up to this many keys (Lk), one block per
+query tile above: a block's fixed costs (barriers, the first loads, the output's stores) weigh
+most where it has few keys to walk, and with more the fixed assignment of tiles to blocks
+loses to the hardware's (H200, bf16, TFLOP/s one block per tile -> per SM, causal: D 64 N 512
+132 -> 167, N 1024 207 -> 239, N 16384 405 -> 388; D 128 N 512 170 -> 204, N 1024 260 ->
+287, N 4096 435 -> 430, N 16384 548 -> 519; unmasked D 128 N 512 315 -> 364, N 16384
+585 -> 570)."""
+
+
+def _snake(it, bx, grid, persistent: bool):
+    """Position of block ``bx``'s query tile in round ``it`` of a persistent grid: rounds of
+    ``grid`` adjacent positions, walked forward in even rounds and backward in odd ones (else
+    the block's one tile, ``bx``)."""
+    return it * grid + T.if_then_else(it % 2 == 0, bx, grid - 1 - bx) if persistent else bx
+
+
 def _desc(d, ptr, ldo: int, sdo: int, swizzle: int):
     """Fill the 64-bit ``wgmma`` matrix descriptor ``d`` for a swizzled tile at ``ptr``
     (offsets in 16-byte units)."""
@@ -291,7 +314,14 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     still read. Consumer warpgroup step ``j``: issue S_j = Q K_j and O += P_{j-1} V_{j-1}, wait
     for S_j only, release K_j, softmax S_j in float32 in place (the running sum adds the
     unrounded probabilities, as FlashAttention-3 does), wait for P V, release V_{j-1}, rescale O,
-    round P_j into the registers the next P V reads."""
+    round P_j into the registers the next P V reads.
+
+    A block walks one query tile, or (``tile.persistent``, up to ``PERSISTENT_MAX_KEYS`` keys)
+    one block per SM walks several in turn (:func:`_snake`): the K/V ring's slots and phases
+    run on across them, and a "Q empty" mbarrier lets the producer load the next Q tile once
+    both consumers' last S = Q K^T completed, while they still finish P V and store O. FA3's
+    ping-pong (the two consumers taking turns to issue their GEMMs on named barriers) was
+    measured on top of this and dropped: 0-3% slower at D 64-256 (the journal)."""
     D, dtype, causal, sinks, group = key.head_dim, key.dtype, key.causal, key.sinks, key.group
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
@@ -307,19 +337,22 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     k_off = q_bytes
     v_off = k_off + ST * kv_bytes
     bar_off = v_off + ST * kv_bytes
-    NB = 1 + 4 * ST  # Q; K full, V full, K empty, V empty per stage
+    NB = 2 + 4 * ST  # Q full; K full, V full, K empty, V empty per stage; Q empty
     pool_bytes = bar_off + 8 * NB
     # descriptor strides (16-byte units): K-major Q and K, 8-row groups 8 ROW apart (SBO);
     # V read MN-major: its atoms (head-dim columns) a stage's rows apart (LBO), 8-row groups
     # 8 ROW apart (SBO)
     v_ldo, v_sdo = BK * ROW, 8 * ROW
     FK, FV, EK, EV = 1, 1 + ST, 1 + 2 * ST, 1 + 3 * ST  # first barrier of each kind
+    QE = 1 + 4 * ST
     # registers: the producer keeps 24, the consumers share the rest of the 64 Ki
     regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
 
     @T.macro
-    def load(buf, bars, tmap, j, full, hk, b):
-        st = T.meta_var(j % ST)
+    def load(buf, bars, tmap, j, g, full, hk, b):
+        """Key tile ``j`` of this query tile into ring slot ``g`` (counted over the block's
+        query tiles)."""
+        st = T.meta_var(g % ST)
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[full + st]),
                                                    T.uint32(kv_bytes))
         for a in T.unroll(NA):
@@ -329,9 +362,10 @@ def flash_forward(key: KernelKey, tile: HopperTile):
 
     @T.macro
     def issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, js, jv, do_s: bool, do_pv: bool):
-        """Issue S = Q K_js and/or O += P V_jv, each one commit group, once their tiles have
-        arrived. Descriptors and operands are final before the one fence: a register a wgmma
-        reads that changes after the fence makes ptxas inject another (C7519)."""
+        """Issue S = Q K_js and/or O += P V_jv (``js``, ``jv``: ring slots), each one commit
+        group, once their tiles have arrived. Descriptors and operands are final before the
+        one fence: a register a wgmma reads that changes after the fence makes ptxas inject
+        another (C7519)."""
         if do_s:
             _desc(dk[0], T.address_of(Ks[js % ST, 0, 0, 0]), 1, 8 * ROW, SW)
             T.cuda.mbarrier_wait(T.address_of(bars[FK + js % ST]), js // ST % 2)
@@ -348,13 +382,15 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             gemm_rs(mma_o, acc, NO * 4, pw, dv[0], BK // 16, ROW)
 
     @T.macro
-    def softmax(s, p, acc, m, mn, msub, lsum, bars, j, row, lane, scale2, elected, Lq, Lk, c):
-        """S_j is complete: release K_j, online softmax in place; once P_{j-1} V_{j-1} is
-        complete, release V_{j-1}, rescale O and round P_j into the registers it read."""
+    def softmax(s, p, acc, m, mn, msub, lsum, bars, j, g, row, lane, scale2, elected, Lq, Lk,
+                c):
+        """S_j (ring slot ``g``) is complete: release K_j, online softmax in place; once
+        P_{j-1} V_{j-1} is complete, release V_{j-1}, rescale O and round P_j into the
+        registers it read."""
         k0 = T.meta_var(j * BK)
         pin(s, NS * 4)
         if elected:
-            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EK + j % ST]))
+            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EK + g % ST]))
         if _mask_needed(causal, c[3], BM, k0, BK, Lk, Lq, Lk):
             for i in T.unroll(NS * 4):
                 if not visible(causal, row + i % 4 // 2 * 8,
@@ -375,13 +411,24 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             T.ptx.wgmma.wait_group.sync.aligned(0)  # P_{j-1} V_{j-1} done
             pin(acc, NO * 4)
             if elected:
-                T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EV + (j - 1) % ST]))
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EV + (g - 1) % ST]))
         for i in T.unroll(NO * 4):
             acc[i] = acc[i] * m[_lane_row(i, NO)]
         for r in T.unroll(2):
             m[r] = mn[r]
         for i in T.unroll(NS * 4):
             p[i] = T.cast(s[i], dtype)
+
+    @T.macro
+    def locate(c, pos, nqt, heads, Hq, Lq, Lk):
+        """The query tile at ``pos`` in :func:`_block_order`: batch, head, KV head, first
+        query row and key tiles into ``c[0:5]``."""
+        t, bh = T.meta_var(_block_order(causal, pos, nqt, heads))
+        c[3] = (nqt - 1 - t) * BM
+        c[0] = bh // Hq
+        c[1] = bh % Hq
+        c[2] = c[1] // group
+        c[4] = num_key_tiles(causal, c[3], BM, Lq, Lk, BK, T.int64(0), Lk)
 
     @T.prim_func
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, sinks_h: T.handle,
@@ -397,6 +444,18 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Sinks = T.match_buffer(sinks_h, (Hq,), F32)
         _require_vector_rows("flash_fwd", Q, K, V, O)
+        # persistent: as many blocks as device 0 has SMs (one block fits an SM). Not the
+        # device of q: reading its id from q's DLTensor in this host code crashed on the H200
+        # (2026-12-01); a node's GPUs are alike, and another count changes only the balance.
+        sms: T.let[T.int32] = (T.call_packed("runtime.GetDeviceAttr", T.int32(2), T.int32(0),
+                                             T.int32(7))
+                               if tile.persistent else T.int32(0))
+        nqt = T.meta_var(T.ceildiv(Lq, BM))
+        total = T.meta_var(B * Hq * nqt)  # query tiles
+        # the grid, decided here on the host: the kernel receives it as one number
+        grid: T.let[T.int64] = (T.if_then_else(
+            Lk <= PERSISTENT_MAX_KEYS, T.min(total, T.max(T.cast(sms, "int64"), T.int64(1))),
+            total) if tile.persistent else total)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -406,8 +465,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         T.device_entry()
         # one block per SM: the register cap that setmaxnreg redistributes
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
-        nqt = T.meta_var(T.ceildiv(Lq, BM))
-        bx = T.cta_id([T.cast(B * Hq * nqt, "int32")])
+        bx = T.cta_id([T.cast(grid, "int32")])
         tx = T.thread_id([NT])
         pool = T.alloc_buffer((pool_bytes,), "uint8", scope="shared.dyn", align=1024)
         Qs = T.decl_buffer((NA, BM, ATOM), dtype, data=pool.data, elem_offset=0,
@@ -419,38 +477,49 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
                              scope="shared.dyn")
         Of = T.decl_buffer((B * ob,), dtype, data=O.data)
-        c = T.alloc_buffer((5,), "int64", scope="local")  # b, h, kv head, q0, key tiles
-
-        t, bh = T.meta_var(_block_order(causal, T.cast(bx, "int64"), nqt, B * Hq))
-        c[3] = (nqt - 1 - t) * BM
-        c[0] = bh // Hq
-        c[1] = bh % Hq
-        c[2] = c[1] // group
-        c[4] = num_key_tiles(causal, c[3], BM, Lq, Lk, BK, T.int64(0), Lk)
+        # b, h, kv head, q0, key tiles of the query tile; ring slots used by the ones before
+        c = T.alloc_buffer((6,), "int64", scope="local")
+        # the block's query tiles, in rounds over _block_order (causal: longest first): bx in
+        # even rounds, grid - 1 - bx in odd ones, so that a block's long and short tiles even
+        # out; a round's blocks walk adjacent tiles (a head's, sharing its K/V in L2)
+        rounds = T.meta_var(T.ceildiv(total, grid))
+        bxl = T.meta_var(T.cast(bx, "int64"))
+        mine = T.meta_var(T.if_then_else(_snake(rounds - 1, bxl, grid, True) < total, rounds,
+                                         rounds - 1) if tile.persistent else T.int64(1))
         if tx == 0:
             for i in T.unroll(NB):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
                                                T.uint32(1 if i < EK else NC))
             T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
+        c[5] = T.int64(0)
 
         if tx < WG:  # ------------------------------------------------------------ producer
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0:
-                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
-                                                           T.uint32(q_bytes))
-                for a in T.unroll(NA):
-                    T.ptx[_TMA](T.address_of(Qs[a, 0, 0]), T.address_of(qmap), a * ATOM,
-                                T.cast(c[3], "int32"), T.cast(c[1], "int32"),
-                                T.cast(c[0], "int32"), T.address_of(bars[0]))
-                for j in T.serial(c[4]):
-                    # a stage is refilled once both consumers released its previous tile
-                    if j >= ST:
-                        T.cuda.mbarrier_wait(T.address_of(bars[EK + j % ST]), (j // ST - 1) % 2)
-                    load(Ks, bars, kmap, j, FK, c[2], c[0])
-                    if j >= ST:
-                        T.cuda.mbarrier_wait(T.address_of(bars[EV + j % ST]), (j // ST - 1) % 2)
-                    load(Vs, bars, vmap, j, FV, c[2], c[0])
+                for it in T.serial(mine):
+                    locate(c, _snake(it, bxl, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                    # the Q tile is reloaded once both consumers' products with it completed
+                    if it > 0:
+                        T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
+                                                               T.uint32(q_bytes))
+                    for a in T.unroll(NA):
+                        T.ptx[_TMA](T.address_of(Qs[a, 0, 0]), T.address_of(qmap), a * ATOM,
+                                    T.cast(c[3], "int32"), T.cast(c[1], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+                    for j in T.serial(c[4]):
+                        # a slot is refilled once both consumers released its previous tile
+                        g = T.meta_var(c[5] + j)
+                        if g >= ST:
+                            T.cuda.mbarrier_wait(T.address_of(bars[EK + g % ST]),
+                                                 (g // ST - 1) % 2)
+                        load(Ks, bars, kmap, j, g, FK, c[2], c[0])
+                        if g >= ST:
+                            T.cuda.mbarrier_wait(T.address_of(bars[EV + g % ST]),
+                                                 (g // ST - 1) % 2)
+                        load(Vs, bars, vmap, j, g, FV, c[2], c[0])
+                    c[5] = c[5] + c[4]
         else:  # ------------------------------------------------------------------ consumers
             T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)
             s = T.alloc_buffer((NS * 4,), F32, scope="local")
@@ -469,48 +538,63 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             row = T.meta_var(c[3] + cw * 64 + tx % WG // 32 * 16 + lane // 4)  # + 8 r
             scale2 = T.meta_var(scale * T.float32(LOG2E))
             elected = T.meta_var(tx % WG == 0)  # one thread per warpgroup arrives
-
-            for i in T.unroll(NO * 4):
-                acc[i] = T.float32(0)
-            for r in T.unroll(2):
-                if sinks:
-                    m[r] = Sinks[c[1]] * T.float32(LOG2E)
-                    lsum[r] = T.if_then_else(lane % 4 == 0, T.float32(1), T.float32(0))
-                else:
-                    m[r] = neg_inf()
-                    lsum[r] = T.float32(0)
             _desc(dq[0], T.address_of(Qs[0, cw * 64, 0]), 1, 8 * ROW, SW)
-            T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
-            n = T.meta_var(c[4])
-            if n > 0:
-                # step 0: S_0 alone; steps 1..n-1: S_j = Q K_j and O += P_{j-1} V_{j-1} in
-                # flight together; then the last P V. Peeled so that the steady loop has no
-                # branch around a wgmma (ptxas serialises wgmma it cannot follow).
-                issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, T.int64(0), T.int64(0), True, False)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), row, lane, scale2,
-                        elected, Lq, Lk, c)
-                for j in T.serial(n - 1):
-                    issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, j + 1, j, True, True)
-                    T.ptx.wgmma.wait_group.sync.aligned(1)  # S done, P V may run on
-                    softmax(s, p, acc, m, mn, msub, lsum, bars, j + 1, row, lane, scale2,
-                            elected, Lq, Lk, c)
-                issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, n - 1, n - 1, False, True)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                pin(acc, NO * 4)
 
-            for r in T.unroll(2):
-                quad_reduce(lsum, r, T.Add)
-                mn[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
-                                       T.float32(1) / lsum[r])
-            for r in T.unroll(2):
-                if row + r * 8 < Lq:
-                    for n in T.unroll(NO):
-                        for e in T.vectorized(2):
-                            Of[c[0] * ob + c[1] * oh + (row + r * 8) * ol + n * 8 + lane % 4 * 2
-                               + e] = T.cast(acc[n * 4 + r * 2 + e] * mn[r], dtype)
-                    if lane % 4 == 0:
-                        LSE[c[0], c[1], row + r * 8] = row_lse(m[r], lsum[r])
+            for it in T.serial(mine):
+                locate(c, _snake(it, bxl, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                for i in T.unroll(NO * 4):
+                    acc[i] = T.float32(0)
+                for r in T.unroll(2):
+                    if sinks:
+                        m[r] = Sinks[c[1]] * T.float32(LOG2E)
+                        lsum[r] = T.if_then_else(lane % 4 == 0, T.float32(1), T.float32(0))
+                    else:
+                        m[r] = neg_inf()
+                        lsum[r] = T.float32(0)
+                T.cuda.mbarrier_wait(T.address_of(bars[0]), it % 2)
+                n = T.meta_var(c[4])
+                g = T.meta_var(c[5])
+                if n > 0:
+                    # step 0: S_0 alone; steps 1..n-1: S_j = Q K_j and O += P_{j-1} V_{j-1}
+                    # in flight together; then the last P V. Peeled so that the steady loop
+                    # has no branch around a wgmma (ptxas serialises wgmma it cannot follow).
+                    issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g, g, True, False)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), g, row, lane,
+                            scale2, elected, Lq, Lk, c)
+                    for j in T.serial(n - 1):
+                        issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g + j + 1, g + j, True,
+                              True)
+                        T.ptx.wgmma.wait_group.sync.aligned(1)  # S done, P V may run on
+                        softmax(s, p, acc, m, mn, msub, lsum, bars, j + 1, g + j + 1, row,
+                                lane, scale2, elected, Lq, Lk, c)
+                    # every S is complete: the producer may load the next query tile
+                    if elected:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
+                    issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g + n - 1, g + n - 1, False,
+                          True)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    pin(acc, NO * 4)
+                    if elected:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EV + (g + n - 1)
+                                                                            % ST]))
+                elif elected:
+                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
+
+                for r in T.unroll(2):
+                    quad_reduce(lsum, r, T.Add)
+                    mn[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
+                                           T.float32(1) / lsum[r])
+                for r in T.unroll(2):
+                    if row + r * 8 < Lq:
+                        for n in T.unroll(NO):
+                            for e in T.vectorized(2):
+                                Of[c[0] * ob + c[1] * oh + (row + r * 8) * ol + n * 8
+                                   + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e] * mn[r],
+                                                                dtype)
+                        if lane % 4 == 0:
+                            LSE[c[0], c[1], row + r * 8] = row_lse(m[r], lsum[r])
+                c[5] = c[5] + c[4]
 
     return flash_fwd
 
@@ -526,6 +610,8 @@ def kernel(key: KernelKey, tile_override: HopperTile | None = None):
     if chosen.split and (key.op != "dkv" or chosen.consumers != 2):
         raise ValueError(f"{key.name}: tile {chosen}: a split tile is a dK/dV one of two "
                          "consumer warpgroups")
+    if chosen.persistent and key.op != "fwd":
+        raise ValueError(f"{key.name}: tile {chosen}: only the forward is persistent")
     if chosen.smem_bytes(key.head_dim, key.op) > SMEM_LIMIT:
         raise ValueError(f"{key.name}: tile {chosen} needs "
                          f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "

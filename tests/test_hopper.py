@@ -69,6 +69,10 @@ def test_hopper_serves_the_sm90a_forward_and_backward():
     for d in hopper.HEAD_DIMS:
         key = KernelKey("dkv", d, "bfloat16", "none", 1, "cuda-sm_90a")
         assert hopper.tile(key).split == (d >= 192) and hopper.supports(key) == (d > 32)
+    # the forward is persistent where that was measured faster and stays in registers
+    for d in hopper.HEAD_DIMS:
+        key = KernelKey("fwd", d, "bfloat16", "top-left", 1, "cuda-sm_90a")
+        assert hopper.tile(key).persistent == (d in (32, 64, 128))
 
 
 def test_backward_tiles_fit_shared_memory():
@@ -84,6 +88,8 @@ def test_backward_tiles_fit_shared_memory():
     key = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")
     with pytest.raises(ValueError, match="multiple of 16"):
         hopper.kernel(key, hopper.HopperTile(step=40))
+    with pytest.raises(ValueError, match="only the forward is persistent"):
+        hopper.kernel(key, hopper.HopperTile(step=64, persistent=True))
     with pytest.raises(ValueError, match="split tile"):
         hopper.kernel(KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a"),
                       hopper.HopperTile(step=64, split=True))
