@@ -46,6 +46,31 @@ def test_other_head_dims(dtype, causal, d, device):
     check_against_reference(q, k, v, do, causal)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d,hq,hkv", [(1, 4, 2), (16, 4, 2), (40, 4, 4), (59, 4, 4),
+                                      (80, 4, 2), (111, 2, 2)])
+@pytest.mark.parametrize("causal", ["none", "top-left"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_padded_head_dims(dtype, causal, d, hq, hkv, device):
+    """A head dim without kernels (flash-attn's tests use 16, 40, 59, 80, 111) runs
+    zero-padded to the next one that has them: output, LSE and gradients as the reference's
+    at the caller's D (scale 1 / sqrt(D)), Lq != Lk."""
+    q, k, v, do = make_inputs(2, hq, hkv, 97, 130, d, dtype, device)
+    check_against_reference(q, k, v, do, causal)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_head_dim_keeps_the_layout(device):
+    """(B, L, H, D) storage viewed as (B, H, L, D) at D 40: out comes back in q's layout, as
+    at a native head dim, and the gradients in their inputs'."""
+    q, k, v = (torch.randn(2, 33, 4, 40, device=device).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    out = attention(q, k, v)
+    assert out.shape == (2, 4, 33, 40) and out.transpose(1, 2).is_contiguous()
+    out.backward(torch.randn_like(out))
+    assert q.grad.shape == q.shape and q.grad.transpose(1, 2).is_contiguous()
+
+
 CUDA = [d for d in DEVICES if d != "cpu"]
 
 

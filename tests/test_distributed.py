@@ -163,11 +163,11 @@ def test_ring_refuses_mismatched_local_lengths(tmp_path):
 
 
 def test_ring_of_one_rank_is_attention(tmp_path):
-    """A one-rank group: the ring is the single-device call."""
+    """A one-rank group: the ring is the single-device call (also at a padded head dim)."""
     with _group(tmp_path):
         torch.manual_seed(1)
-        q, k, v, _ = make_inputs(1, 2, 2, 24, 24, 64, torch.float32, "cpu")
-        for causal in (False, True):
+        for d, causal in ((64, False), (64, True), (40, True)):
+            q, k, v, _ = make_inputs(1, 2, 2, 24, 24, d, torch.float32, "cpu")
             grads = []
             for fn in (ring_attention, attention):
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]

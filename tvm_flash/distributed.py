@@ -29,8 +29,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from .key import HEAD_DIMS
 from .layout import kernel_view
-from .ops import check_inputs, flash_backward, flash_forward, sink_gradient
+from .ops import check_inputs, flash_backward, flash_forward, pad_head_dim, sink_gradient
 
 
 def shard(x: torch.Tensor, rank: int, world: int, dim: int = 2) -> torch.Tensor:
@@ -223,6 +224,7 @@ def ring_attention(q, k, v, *, group=None, is_causal: bool = False, scale: float
     Returns:
         this rank's output ``(B, Hq, L / W, D)`` (its shard of the whole output), in q's dtype.
 
+    D as in :func:`tvm_flash.attention` (any other than ``tvm_flash.HEAD_DIMS`` zero-padded).
     Every rank calls it with the same shapes. ``Lq != Lk`` is not supported here (use
     :func:`tvm_flash.attention` on one device). The local length must be even (two zig-zag
     chunks).
@@ -240,4 +242,10 @@ def ring_attention(q, k, v, *, group=None, is_causal: bool = False, scale: float
                          "chunks (the whole length a multiple of 2 x world size)")
     if sinks is not None:
         sinks = sinks.float().contiguous()  # differentiable cast: the gradient flows back
+    if q.shape[-1] not in HEAD_DIMS:
+        return pad_head_dim(_ring, q, k, v, sinks, group, bool(is_causal), scale)[0]
     return _RingAttention.apply(q, k, v, sinks, group, bool(is_causal), scale)
+
+
+def _ring(q, k, v, sinks, group, causal: bool, scale: float):
+    return (_RingAttention.apply(q, k, v, sinks, group, causal, scale),)

@@ -81,8 +81,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         units, ``-inf`` for a row that sees no key (flash-attn 2 writes ``+inf`` there); its
         output row is zero either way.
 
-    q, k, v are float16, bfloat16 or float32 on one CPU or CUDA device with D one of
-    ``tvm_flash.HEAD_DIMS``; accumulation is float32. Gradients flow to q, k and v.
+    q, k, v are float16, bfloat16 or float32 on one CPU or CUDA device with D from 1 to 256
+    (other than ``tvm_flash.HEAD_DIMS`` zero-padded to the next); accumulation is float32.
+    Gradients flow to q, k and v.
     """
     _refuse_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     return _attend(q, k, v, softmax_scale, causal, return_attn_probs)

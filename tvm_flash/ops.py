@@ -18,6 +18,7 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from . import plan
 from .key import HEAD_DIMS
@@ -25,6 +26,28 @@ from .layout import kernel_view, output_like
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
+HEAD_DIM_MAX = HEAD_DIMS[-1]
+
+
+def native_head_dim(d: int) -> int:
+    """The head dim the kernels run for ``d`` (1 to ``HEAD_DIM_MAX``): ``d`` where it is one
+    of ``HEAD_DIMS``, else the next one, q, k and v zero-padded to it (:func:`pad_head_dim`).
+    Zeros add nothing to Q K^T, give zero columns of the output, and the gradients of the
+    padding are dropped; the softmax scale stays the caller's (default ``1 / sqrt(d)``).
+    Padding costs a copy of q, k, v (and of the output back): one more kernel per head dim
+    would cost a compiled artifact per key instead."""
+    return next(n for n in HEAD_DIMS if n >= d)
+
+
+def pad_head_dim(fn, q, k, v, *args):
+    """``fn(q, k, v, *args)`` -> ``(out, *rest)`` at a head dim without kernels: q, k and v
+    zero-padded to :func:`native_head_dim` (differentiably: autograd drops the padding's
+    gradients), ``out`` cut back to q's head dim in the layout ``out`` would have had
+    (:func:`tvm_flash.layout.output_like`)."""
+    d = q.shape[-1]
+    pad = (0, native_head_dim(d) - d)
+    out, *rest = fn(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), *args)
+    return (output_like(q).copy_(out[..., :d]), *rest)
 
 
 def flash_forward(q, k, v, sinks, causal: str, scale: float):
@@ -157,7 +180,10 @@ class _Attention(torch.autograd.Function):
 
 def forward(q, k, v, sinks, causal: str, scale: float):
     """``(out, lse)`` of validated inputs in ``(B, H, L, D)``, recording the backward where
-    autograd needs it; the custom op ``tvm_flash::fwd`` where a tracer must see it."""
+    autograd needs it; the custom op ``tvm_flash::fwd`` where a tracer must see it. A head dim
+    without kernels is padded to the next (:func:`native_head_dim`)."""
+    if q.shape[-1] not in HEAD_DIMS:
+        return pad_head_dim(forward, q, k, v, sinks, causal, scale)
     if not _eager(q, k, v):
         return _fwd_op(q, k, v, sinks, causal, scale)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
@@ -209,8 +235,9 @@ def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool, sinks=None,
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"{n['k']}: shape {tuple(k.shape)} does not match {n['q']}'s batch "
                          f"{b} and head_dim {d}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"{n['q']}: head_dim {d} is not supported; use one of {HEAD_DIMS}")
+    if not 1 <= d <= HEAD_DIM_MAX:
+        raise ValueError(f"{n['q']}: head_dim {d} is not supported; use 1 to {HEAD_DIM_MAX} "
+                         f"(native: {HEAD_DIMS}; others run zero-padded to the next)")
     hkv = k.shape[heads]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"{n['k']}: {hkv} key/value heads do not divide {n['q']}'s {hq} "
@@ -264,13 +291,14 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
         ``(B, Hq, Lq)`` float32, natural-log units, ``-inf`` for a row that sees no key (its
         output and gradients are zero).
 
-    q, k, v are float16, bfloat16 or float32 on one CPU or CUDA device; D is one of
-    ``tvm_flash.HEAD_DIMS``. Accumulation is float32. q, k, v (and the gradient of out) are
-    read where they lie when their last dimension is contiguous and every row starts 16-byte
-    aligned — in particular ``(B, L, H, D)`` storage viewed as ``(B, H, L, D)``; other layouts
-    are copied first (``tvm_flash.layout``). ``out`` and the gradients come back in torch
-    SDPA's layout: ``out`` like q, each gradient like its input. The backward is
-    deterministic (no atomics).
+    q, k, v are float16, bfloat16 or float32 on one CPU or CUDA device; D is 1 to 256: the
+    kernels' own are ``tvm_flash.HEAD_DIMS``, any other runs zero-padded to the next (a copy
+    of q, k, v and of the output; :func:`native_head_dim`). Accumulation is float32. q, k, v
+    (and the gradient of out) are read where they lie when their last dimension is contiguous
+    and every row starts 16-byte aligned — in particular ``(B, L, H, D)`` storage viewed as
+    ``(B, H, L, D)``; other layouts are copied first (``tvm_flash.layout``). ``out`` and the
+    gradients come back in torch SDPA's layout: ``out`` like q, each gradient like its input.
+    The backward is deterministic (no atomics).
     """
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment: {causal_alignment!r} is not one of "
