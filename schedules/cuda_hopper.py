@@ -445,8 +445,10 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         Sinks = T.match_buffer(sinks_h, (Hq,), F32)
         _require_vector_rows("flash_fwd", Q, K, V, O)
         # persistent: as many blocks as device 0 has SMs (one block fits an SM). Not the
-        # device of q: reading its id from q's DLTensor in this host code crashed on the H200
-        # (2026-12-01); a node's GPUs are alike, and another count changes only the balance.
+        # device of q: in this host code q_h has become q's data pointer (the host LLVM IR
+        # reads the "DLTensor" at %Q, device memory: a segfault on the H200, 2026-12-01), and
+        # the device id is not a variable here. A node's GPUs are alike; another count
+        # changes only the balance.
         sms: T.let[T.int32] = (T.call_packed("runtime.GetDeviceAttr", T.int32(2), T.int32(0),
                                              T.int32(7))
                                if tile.persistent else T.int32(0))
