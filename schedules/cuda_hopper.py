@@ -180,10 +180,11 @@ def tile(key: KernelKey) -> HopperTile:
         return _dq_tile(d)
     if key.op == "dkv":
         return _dkv_tile(d)
-    # persistent where ptxas keeps it in registers and it was measured (D 96, 160-224 spill
-    # 4-200 bytes with the tile loop; D 256 lost up to 5% at N 1024 unmasked)
+    # persistent where ptxas keeps it in registers and it was measured faster (D 96, 160-224
+    # spill 4-200 bytes with the tile loop; D 256 causal N 512 / 1024 +8 / +5%, unmasked
+    # 0 / -4%)
     return HopperTile(step=128 if d <= 160 else 96 if d == 192 else 64,
-                      persistent=d in (32, 64, 128))
+                      persistent=d in (32, 64, 128) or d == 256 and key.causal != "none")
 
 
 def _dq_tile(d: int) -> HopperTile:

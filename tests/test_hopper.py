@@ -71,8 +71,10 @@ def test_hopper_serves_the_sm90a_forward_and_backward():
         assert hopper.tile(key).split == (d >= 192) and hopper.supports(key) == (d > 32)
     # the forward is persistent where that was measured faster and stays in registers
     for d in hopper.HEAD_DIMS:
-        key = KernelKey("fwd", d, "bfloat16", "top-left", 1, "cuda-sm_90a")
-        assert hopper.tile(key).persistent == (d in (32, 64, 128))
+        for causal in ("none", "top-left"):
+            key = KernelKey("fwd", d, "bfloat16", causal, 1, "cuda-sm_90a")
+            assert hopper.tile(key).persistent == (d in (32, 64, 128) or d == 256
+                                                   and causal != "none")
 
 
 def test_backward_tiles_fit_shared_memory():
