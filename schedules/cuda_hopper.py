@@ -931,6 +931,17 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             p[e] = T.cast(st[e], dtype)
 
     @T.macro
+    def accumulate_and_release(acc, aw, b, bars, sg):
+        """Split, either warpgroup's last product of a step: ``acc`` += A B (A's words ``aw``
+        from registers, B from descriptor ``b``), completed, then stage ``sg`` released."""
+        pin(acc, NO * 4)
+        T.ptx.wgmma.fence.sync.aligned()
+        gemm_rs(mma_o, acc, NO * 4, aw, b[0], BQ // 16, ROW)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        pin(acc, NO * 4)
+        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
+
+    @T.macro
     def step_dv(st, p, pw, dv, Qs, dOs, stats, slots, bars, ka, bq, bdot, i, q0, key_row, row0,
                 lane, t, scale, Lq, Lk):
         """Split, the dV warpgroup's step: S^T, P^T (handed over), dV += P^T dO."""
@@ -948,12 +959,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         for j in T.unroll(NW):  # the dK warpgroup's thread t holds the same elements of dP^T
             slots[sg, j, t] = pw[j]
         T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[PREADY + sg]))
-        pin(dv, NO * 4)
-        T.ptx.wgmma.fence.sync.aligned()
-        gemm_rs(mma_o, dv, NO * 4, pw, bdot[0], BQ // 16, ROW)
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        pin(dv, NO * 4)
-        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
+        accumulate_and_release(dv, pw, bdot, bars, sg)
 
     @T.macro
     def step_dk(dpt, p, pw, ds, dsw, dk, Qs, dOs, stats, slots, bars, va, bdo, bqt, i, lane, t):
@@ -974,12 +980,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             ds[e] = T.cast(T.cast(p[e], F32) * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2
                                                                  + e % 2]), dtype)
         pin_u32(dsw, NW)
-        pin(dk, NO * 4)
-        T.ptx.wgmma.fence.sync.aligned()
-        gemm_rs(mma_o, dk, NO * 4, dsw, bqt[0], BQ // 16, ROW)
-        T.ptx.wgmma.wait_group.sync.aligned(0)
-        pin(dk, NO * 4)
-        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
+        accumulate_and_release(dk, dsw, bqt, bars, sg)
 
     @T.macro
     def step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo, bqt,
