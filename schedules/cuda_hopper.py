@@ -110,7 +110,7 @@ class HopperTile:
     are queries, a step walks keys (K/V in the ring); dK/dV: the rows are keys, a step walks
     queries (Q/dO and their LSE/Delta in the ring). ``split`` (dK/dV only): both consumers work
     on the same 64 keys, one accumulating dV and the other dK (each D / 2 registers a thread
-    instead of D), P^T passed between them through shared memory. ``persistent`` (forward only):
+    instead of D), P^T passed between them through shared memory. ``persistent`` (forward and dQ):
     where keys are few (``PERSISTENT_MAX_KEYS``), one block per SM, each walking query tiles in
     turn, the loads of the next overlapping the end of this one."""
 
@@ -298,6 +298,48 @@ def _snake(it, bx, grid, persistent: bool):
     return it * grid + T.if_then_else(it % 2 == 0, bx, grid - 1 - bx) if persistent else bx
 
 
+def _sm_count(persistent: bool):
+    """Host code: the SMs of device 0 for a persistent grid, else 0. Not q's device: in the
+    kernel's host code q_h has become q's data pointer (the host LLVM IR reads a "DLTensor" at
+    %Q, device memory: a segfault on the H200, 2026-12-01), and the device id is not a
+    variable there. A node's GPUs are alike; another count changes only the balance."""
+    return (T.call_packed("runtime.GetDeviceAttr", T.int32(2), T.int32(0), T.int32(7))
+            if persistent else T.int32(0))
+
+
+def _grid(total, sms, Lk, persistent: bool):
+    """Host code: blocks of a grid over ``total`` row tiles — one per SM where persistent and
+    ``Lk <= PERSISTENT_MAX_KEYS`` (:data:`PERSISTENT_MAX_KEYS`), else one per tile."""
+    return (T.if_then_else(Lk <= PERSISTENT_MAX_KEYS,
+                           T.min(total, T.max(T.cast(sms, "int64"), T.int64(1))), total)
+            if persistent else total)
+
+
+def _mine(total, grid, bx, persistent: bool):
+    """Row tiles block ``bx`` walks (:func:`_snake`): one round each but, where the last
+    round is short, for the blocks it leaves out."""
+    rounds = T.ceildiv(total, grid)
+    return (T.if_then_else(_snake(rounds - 1, bx, grid, True) < total, rounds, rounds - 1)
+            if persistent else T.int64(1))
+
+
+def _locator(causal: str, rows: int, step: int, group: int):
+    """A macro ``locate(c, pos, nqt, heads, Hq, Lq, Lk)``: the row tile at ``pos`` in
+    :func:`_block_order` — batch, query head, KV head, first query row and key tiles into
+    ``c[0:5]`` (forward and dQ blocks of ``rows`` queries, keys walked ``step`` at a time)."""
+
+    @T.macro
+    def locate(c, pos, nqt, heads, Hq, Lq, Lk):
+        t, bh = T.meta_var(_block_order(causal, pos, nqt, heads))
+        c[3] = (nqt - 1 - t) * rows
+        c[0] = bh // Hq
+        c[1] = bh % Hq
+        c[2] = c[1] // group
+        c[4] = num_key_tiles(causal, c[3], rows, Lq, Lk, step, T.int64(0), Lk)
+
+    return locate
+
+
 def _desc(d, ptr, ldo: int, sdo: int, swizzle: int):
     """Fill the 64-bit ``wgmma`` matrix descriptor ``d`` for a swizzled tile at ``ptr``
     (offsets in 16-byte units)."""
@@ -420,16 +462,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         for i in T.unroll(NS * 4):
             p[i] = T.cast(s[i], dtype)
 
-    @T.macro
-    def locate(c, pos, nqt, heads, Hq, Lq, Lk):
-        """The query tile at ``pos`` in :func:`_block_order`: batch, head, KV head, first
-        query row and key tiles into ``c[0:5]``."""
-        t, bh = T.meta_var(_block_order(causal, pos, nqt, heads))
-        c[3] = (nqt - 1 - t) * BM
-        c[0] = bh // Hq
-        c[1] = bh % Hq
-        c[2] = c[1] // group
-        c[4] = num_key_tiles(causal, c[3], BM, Lq, Lk, BK, T.int64(0), Lk)
+    locate = _locator(causal, BM, BK, group)
 
     @T.prim_func
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, sinks_h: T.handle,
@@ -445,20 +478,12 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Sinks = T.match_buffer(sinks_h, (Hq,), F32)
         _require_vector_rows("flash_fwd", Q, K, V, O)
-        # persistent: as many blocks as device 0 has SMs (one block fits an SM). Not the
-        # device of q: in this host code q_h has become q's data pointer (the host LLVM IR
-        # reads the "DLTensor" at %Q, device memory: a segfault on the H200, 2026-12-01), and
-        # the device id is not a variable here. A node's GPUs are alike; another count
-        # changes only the balance.
-        sms: T.let[T.int32] = (T.call_packed("runtime.GetDeviceAttr", T.int32(2), T.int32(0),
-                                             T.int32(7))
-                               if tile.persistent else T.int32(0))
+        # the grid, decided here on the host (persistent: one block per SM, which one block
+        # fills): the kernel receives it as one number
+        sms: T.let[T.int32] = _sm_count(tile.persistent)
         nqt = T.meta_var(T.ceildiv(Lq, BM))
         total = T.meta_var(B * Hq * nqt)  # query tiles
-        # the grid, decided here on the host: the kernel receives it as one number
-        grid: T.let[T.int64] = (T.if_then_else(
-            Lk <= PERSISTENT_MAX_KEYS, T.min(total, T.max(T.cast(sms, "int64"), T.int64(1))),
-            total) if tile.persistent else total)
+        grid: T.let[T.int64] = _grid(total, sms, Lk, tile.persistent)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -485,10 +510,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         # the block's query tiles, in rounds over _block_order (causal: longest first): bx in
         # even rounds, grid - 1 - bx in odd ones, so that a block's long and short tiles even
         # out; a round's blocks walk adjacent tiles (a head's, sharing its K/V in L2)
-        rounds = T.meta_var(T.ceildiv(total, grid))
         bxl = T.meta_var(T.cast(bx, "int64"))
-        mine = T.meta_var(T.if_then_else(_snake(rounds - 1, bxl, grid, True) < total, rounds,
-                                         rounds - 1) if tile.persistent else T.int64(1))
+        mine = T.meta_var(_mine(total, grid, bxl, tile.persistent))
         if tx == 0:
             for i in T.unroll(NB):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
@@ -613,8 +636,8 @@ def kernel(key: KernelKey, tile_override: HopperTile | None = None):
     if chosen.split and (key.op != "dkv" or chosen.consumers != 2):
         raise ValueError(f"{key.name}: tile {chosen}: a split tile is a dK/dV one of two "
                          "consumer warpgroups")
-    if chosen.persistent and key.op != "fwd":
-        raise ValueError(f"{key.name}: tile {chosen}: only the forward is persistent")
+    if chosen.persistent and key.op == "dkv":
+        raise ValueError(f"{key.name}: tile {chosen}: dK/dV is not persistent")
     if chosen.smem_bytes(key.head_dim, key.op) > SMEM_LIMIT:
         raise ValueError(f"{key.name}: tile {chosen} needs "
                          f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "
@@ -643,7 +666,12 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     once dQ += dS_{j-1} K_{j-1} is complete are dS_j's rounded words written over those it
     read and the stage of K_{j-1}, V_{j-1} released. The first and last steps are peeled (no
     branch around a wgmma in the loop). LSE and Delta of the thread's two rows stay in
-    registers; a row past the end or without any key gets LSE = +inf, hence P = 0."""
+    registers; a row past the end or without any key gets LSE = +inf, hence P = 0.
+
+    ``tile.persistent``: as the forward's (:func:`flash_forward`), one block per SM walks row
+    tiles up to ``PERSISTENT_MAX_KEYS`` keys; the ring runs on across them and a "Q empty"
+    mbarrier lets the producer load the next Q and dO tiles once both consumers' last S and
+    dP completed."""
     D, dtype, causal = key.head_dim, key.dtype, key.causal
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
@@ -660,8 +688,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     k_off = 2 * q_bytes
     v_off = k_off + ST * kv_bytes
     bar_off = v_off + ST * kv_bytes
-    NB = 1 + 2 * ST  # Q and dO; full, empty per stage
-    FULL, EMPTY = 1, 1 + ST
+    NB = 2 + 2 * ST  # Q and dO full; full, empty per stage; Q and dO empty
+    FULL, EMPTY, QE = 1, 1 + ST, 1 + 2 * ST
     pool_bytes = bar_off + 8 * NB
     kt_ldo, kt_sdo = BK * ROW, 8 * ROW  # K read MN-major (dQ += dS K), as V in the forward
     regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
@@ -671,7 +699,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
               do_dq: bool):
         """Issue S_js = Q K_js^T, dP_js = dO V_js^T (once their stage has arrived; one commit
         group each) and/or dQ += dS_jd K_jd (one group), behind one fence, with nothing in
-        flight."""
+        flight (``js``, ``jd``: ring slots)."""
         if do_sd:
             _desc(dk[0], T.address_of(Ks[js % ST, 0, 0, 0]), 1, 8 * ROW, SW)
             _desc(dv[0], T.address_of(Vs[js % ST, 0, 0, 0]), 1, 8 * ROW, SW)
@@ -690,11 +718,11 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             gemm_rs(mma_o, acc, NO * 4, dsw, dkt[0], BK // 16, ROW)
 
     @T.macro
-    def grads(s, dp, ds, acc, lse, delta, bars, j, row0, row, lane, elected, scale, Lq, Lk,
-              dq_in_flight: bool):
-        """S_j and dP_j are in flight (and dQ += dS_{j-1} K_{j-1} after them): P_j in place
-        of S_j once S_j is complete, dS_j in place once dP_j is; once the dQ product is
-        complete, release stage j - 1 and round dS_j into the words it read."""
+    def grads(s, dp, ds, acc, lse, delta, bars, j, g, row0, row, lane, elected, scale, Lq,
+              Lk, dq_in_flight: bool):
+        """S_j and dP_j (ring slot ``g``) are in flight (and dQ += dS_{j-1} K_{j-1} after
+        them): P_j in place of S_j once S_j is complete, dS_j in place once dP_j is; once the
+        dQ product is complete, release slot g - 1 and round dS_j into the words it read."""
         k0 = T.meta_var(j * BK)
         T.ptx.wgmma.wait_group.sync.aligned(2 if dq_in_flight else 1)  # S_j done
         pin(s, NS * 4)
@@ -713,9 +741,11 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             T.ptx.wgmma.wait_group.sync.aligned(0)  # dQ += dS_{j-1} K_{j-1} done
             pin(acc, NO * 4)
             if elected:
-                T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + (j - 1) % ST]))
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + (g - 1) % ST]))
         for i in T.unroll(NS * 4):
             ds[i] = T.cast(s[i], dtype)
+
+    locate = _locator(causal, BM, BK, key.group)
 
     @T.prim_func
     def flash_dq(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
@@ -741,10 +771,13 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         _tmap(kmap, K, ATOM, BK, SW)
         vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(vmap, V, ATOM, BK, SW)
+        sms: T.let[T.int32] = _sm_count(tile.persistent)
+        nqt = T.meta_var(T.ceildiv(Lq, BM))
+        total = T.meta_var(B * Hq * nqt)  # query tiles
+        grid: T.let[T.int64] = _grid(total, sms, Lk, tile.persistent)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
-        nqt = T.meta_var(T.ceildiv(Lq, BM))
-        bx = T.cta_id([T.cast(B * Hq * nqt, "int32")])
+        bx = T.cta_id([T.cast(grid, "int32")])
         tx = T.thread_id([NT])
         pool = T.alloc_buffer((pool_bytes,), "uint8", scope="shared.dyn", align=1024)
         Qs = T.decl_buffer((NA, BM, ATOM), dtype, data=pool.data, elem_offset=0,
@@ -758,48 +791,54 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
                              scope="shared.dyn")
         dQf = T.decl_buffer((B * ob,), dtype, data=dQ.data)
-        c = T.alloc_buffer((5,), "int64", scope="local")  # b, h, kv head, q0, key tiles
-
-        t, bh = T.meta_var(_block_order(causal, T.cast(bx, "int64"), nqt, B * Hq))
-        c[3] = (nqt - 1 - t) * BM
-        c[0] = bh // Hq
-        c[1] = bh % Hq
-        c[2] = c[1] // key.group
-        c[4] = num_key_tiles(causal, c[3], BM, Lq, Lk, BK, T.int64(0), Lk)
+        # b, h, kv head, q0, key tiles of the row tile; ring slots used by the ones before
+        c = T.alloc_buffer((6,), "int64", scope="local")
+        bxl = T.meta_var(T.cast(bx, "int64"))
+        mine = T.meta_var(_mine(total, grid, bxl, tile.persistent))
         if tx == 0:
             for i in T.unroll(NB):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
                                                T.uint32(1 if i < EMPTY else NC))
             T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
+        c[5] = T.int64(0)
 
         if tx < WG:  # ------------------------------------------------------------ producer
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0:
-                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
-                                                           T.uint32(2 * q_bytes))
-                for a in T.unroll(NA):
-                    T.ptx[_TMA](T.address_of(Qs[a, 0, 0]), T.address_of(qmap), a * ATOM,
-                                T.cast(c[3], "int32"), T.cast(c[1], "int32"),
-                                T.cast(c[0], "int32"), T.address_of(bars[0]))
-                    T.ptx[_TMA](T.address_of(dOs[a, 0, 0]), T.address_of(domap), a * ATOM,
-                                T.cast(c[3], "int32"), T.cast(c[1], "int32"),
-                                T.cast(c[0], "int32"), T.address_of(bars[0]))
-                for j in T.serial(c[4]):
-                    # a stage is refilled once both consumers' dQ += dS K of its last tile
-                    # completed
-                    if j >= ST:
-                        T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + j % ST]),
-                                             (j // ST - 1) % 2)
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(
-                        T.address_of(bars[FULL + j % ST]), T.uint32(2 * kv_bytes))
+                for it in T.serial(mine):
+                    locate(c, _snake(it, bxl, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                    # Q and dO are reloaded once both consumers' S and dP with them completed
+                    if it > 0:
+                        T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
+                                                               T.uint32(2 * q_bytes))
                     for a in T.unroll(NA):
-                        T.ptx[_TMA](T.address_of(Ks[j % ST, a, 0, 0]), T.address_of(kmap),
-                                    a * ATOM, T.cast(j * BK, "int32"), T.cast(c[2], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[FULL + j % ST]))
-                        T.ptx[_TMA](T.address_of(Vs[j % ST, a, 0, 0]), T.address_of(vmap),
-                                    a * ATOM, T.cast(j * BK, "int32"), T.cast(c[2], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[FULL + j % ST]))
+                        T.ptx[_TMA](T.address_of(Qs[a, 0, 0]), T.address_of(qmap), a * ATOM,
+                                    T.cast(c[3], "int32"), T.cast(c[1], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+                        T.ptx[_TMA](T.address_of(dOs[a, 0, 0]), T.address_of(domap), a * ATOM,
+                                    T.cast(c[3], "int32"), T.cast(c[1], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+                    for j in T.serial(c[4]):
+                        # a slot is refilled once both consumers' dQ += dS K of its last tile
+                        # completed
+                        g = T.meta_var(c[5] + j)
+                        if g >= ST:
+                            T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + g % ST]),
+                                                 (g // ST - 1) % 2)
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(
+                            T.address_of(bars[FULL + g % ST]), T.uint32(2 * kv_bytes))
+                        for a in T.unroll(NA):
+                            T.ptx[_TMA](T.address_of(Ks[g % ST, a, 0, 0]), T.address_of(kmap),
+                                        a * ATOM, T.cast(j * BK, "int32"),
+                                        T.cast(c[2], "int32"), T.cast(c[0], "int32"),
+                                        T.address_of(bars[FULL + g % ST]))
+                            T.ptx[_TMA](T.address_of(Vs[g % ST, a, 0, 0]), T.address_of(vmap),
+                                        a * ATOM, T.cast(j * BK, "int32"),
+                                        T.cast(c[2], "int32"), T.cast(c[0], "int32"),
+                                        T.address_of(bars[FULL + g % ST]))
+                    c[5] = c[5] + c[4]
         else:  # ------------------------------------------------------------------ consumers
             T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)
             s = T.alloc_buffer((NS * 4,), F32, scope="local")
@@ -820,43 +859,56 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             row = T.meta_var(row0 + tx % WG // 32 * 16 + lane // 4)  # + 8 r
             elected = T.meta_var(tx % WG == 0)
 
-            for i in T.unroll(NO * 4):
-                acc[i] = T.float32(0)
-            for r in T.unroll(2):
-                # P = exp2(-inf) = 0 in rows past the end or without keys
-                lse[r] = pos_inf()
-                delta[r] = T.float32(0)
-                if row + r * 8 < Lq:
-                    lse[r] = LSE[c[0], c[1], row + r * 8]
-                    delta[r] = Delta[c[0], c[1], row + r * 8]
-                    if lse[r] == neg_inf():
-                        lse[r] = pos_inf()
             _desc(dqa[0], T.address_of(Qs[0, cw * 64, 0]), 1, 8 * ROW, SW)
             _desc(doa[0], T.address_of(dOs[0, cw * 64, 0]), 1, 8 * ROW, SW)
-            T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
-            n = T.meta_var(c[4])
-            if n > 0:
-                issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, T.int64(0),
-                      T.int64(0), True, False)
-                grads(s, dp, ds, acc, lse, delta, bars, T.int64(0), row0, row, lane, elected,
-                      scale, Lq, Lk, False)
-                for j in T.serial(n - 1):
-                    issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, j + 1, j, True,
-                          True)
-                    grads(s, dp, ds, acc, lse, delta, bars, j + 1, row0, row, lane, elected,
-                          scale, Lq, Lk, True)
-                issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, n - 1, n - 1, False,
-                      True)
-                T.ptx.wgmma.wait_group.sync.aligned(0)
-                pin(acc, NO * 4)
 
-            for r in T.unroll(2):
-                if row + r * 8 < Lq:
-                    for n in T.unroll(NO):
-                        for e in T.vectorized(2):
-                            dQf[c[0] * ob + c[1] * oh + (row + r * 8) * ol + n * 8
-                                + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e] * scale,
-                                                             dtype)
+            for it in T.serial(mine):
+                locate(c, _snake(it, bxl, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                for i in T.unroll(NO * 4):
+                    acc[i] = T.float32(0)
+                for r in T.unroll(2):
+                    # P = exp2(-inf) = 0 in rows past the end or without keys
+                    lse[r] = pos_inf()
+                    delta[r] = T.float32(0)
+                    if row + r * 8 < Lq:
+                        lse[r] = LSE[c[0], c[1], row + r * 8]
+                        delta[r] = Delta[c[0], c[1], row + r * 8]
+                        if lse[r] == neg_inf():
+                            lse[r] = pos_inf()
+                T.cuda.mbarrier_wait(T.address_of(bars[0]), it % 2)
+                n = T.meta_var(c[4])
+                g = T.meta_var(c[5])
+                if n > 0:
+                    issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, g, g, True,
+                          False)
+                    grads(s, dp, ds, acc, lse, delta, bars, T.int64(0), g, row0, row, lane,
+                          elected, scale, Lq, Lk, False)
+                    for j in T.serial(n - 1):
+                        issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, g + j + 1,
+                              g + j, True, True)
+                        grads(s, dp, ds, acc, lse, delta, bars, j + 1, g + j + 1, row0, row,
+                              lane, elected, scale, Lq, Lk, True)
+                    # every S and dP is complete: the producer may load the next Q and dO
+                    if elected:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
+                    issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, g + n - 1,
+                          g + n - 1, False, True)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    pin(acc, NO * 4)
+                    if elected:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + (g + n - 1)
+                                                                            % ST]))
+                elif elected:
+                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
+
+                for r in T.unroll(2):
+                    if row + r * 8 < Lq:
+                        for n in T.unroll(NO):
+                            for e in T.vectorized(2):
+                                dQf[c[0] * ob + c[1] * oh + (row + r * 8) * ol + n * 8
+                                    + lane % 4 * 2 + e] = T.cast(
+                                        acc[n * 4 + r * 2 + e] * scale, dtype)
+                c[5] = c[5] + c[4]
 
     return flash_dq
 
