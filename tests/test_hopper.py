@@ -90,7 +90,7 @@ def test_backward_tiles_fit_shared_memory():
     key = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")
     with pytest.raises(ValueError, match="multiple of 16"):
         hopper.kernel(key, hopper.HopperTile(step=40))
-    with pytest.raises(ValueError, match="only the forward is persistent"):
+    with pytest.raises(ValueError, match="dK/dV is not persistent"):
         hopper.kernel(key, hopper.HopperTile(step=64, persistent=True))
     with pytest.raises(ValueError, match="split tile"):
         hopper.kernel(KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a"),
