@@ -177,7 +177,7 @@ def tile(key: KernelKey) -> HopperTile:
     176-key steps (which spill) and 432 for the best tile without the producer warpgroup."""
     d = key.head_dim
     if key.op == "dq":
-        return _dq_tile(d)
+        return _dq_tile(d, key.causal != "none")
     if key.op == "dkv":
         return _dkv_tile(d)
     # persistent where ptxas keeps it in registers and it was measured faster (D 96, 160-224
@@ -187,15 +187,22 @@ def tile(key: KernelKey) -> HopperTile:
                       persistent=d in (32, 64, 128) or d == 256 and key.causal != "none")
 
 
-def _dq_tile(d: int) -> HopperTile:
+def _dq_tile(d: int, causal: bool) -> HopperTile:
     """dQ: 128 query rows, three stages; 128-key steps up to D 64, where S and dP (BK / 2
     registers each) and dS's words (BK / 4) fit beside dQ's D / 2 (ptxas: 222 registers at
     D 64); 64 up to D 160; 32 above, where the third stage fits only beside shorter steps. The
     dQ product waits on the stage of the step before, so a third stage keeps a load in flight
     behind it. H200, bf16, N 4096, the kernel alone, TFLOP/s unmasked / causal: D 64 508
     (two stages 375), D 128 660 (465; 96-key steps 494), D 192 592 / 498 (64-key steps, two
-    stages: 522 / 466), D 224 589 / 500 (358 / 357), D 256 597 / 524 (394 / 396)."""
-    return HopperTile(step=128 if d <= 64 else 64 if d <= 160 else 32, stages=3)
+    stages: 522 / 466), D 224 589 / 500 (358 / 357), D 256 597 / 524 (394 / 396).
+
+    Persistent (up to ``PERSISTENT_MAX_KEYS``) where causal at D 64, 128 and 192, where it was
+    measured (the same machine and call, one block per tile -> per SM, causal N 512 / 1024):
+    D 64 203 -> 227 / 290 -> 295, D 128 258 -> 264 / 342 -> 354, D 192 244 -> 252 / 326 ->
+    326; unmasked it lost at N 1024 (D 64 438 -> 421, D 128 536 -> 509), where every block
+    has the same work and the hardware's assignment of tiles already balances."""
+    return HopperTile(step=128 if d <= 64 else 64 if d <= 160 else 32, stages=3,
+                      persistent=causal and d in (64, 128, 192))
 
 
 def _dkv_tile(d: int) -> HopperTile:
@@ -282,13 +289,13 @@ def _tmap(m, buf, box_cols: int, box_rows: int, swizzle: int):
 
 
 PERSISTENT_MAX_KEYS = 1024
-"""A persistent forward launches one block per SM up to this many keys (Lk), one block per
-query tile above: a block's fixed costs (barriers, the first loads, the output's stores) weigh
-most where it has few keys to walk, and with more the fixed assignment of tiles to blocks
-loses to the hardware's (H200, bf16, TFLOP/s one block per tile -> per SM, causal: D 64 N 512
-132 -> 167, N 1024 207 -> 239, N 16384 405 -> 388; D 128 N 512 170 -> 204, N 1024 260 ->
-287, N 4096 435 -> 430, N 16384 548 -> 519; unmasked D 128 N 512 315 -> 364, N 16384
-585 -> 570)."""
+"""A persistent forward (or dQ) launches one block per SM up to this many keys (Lk), one
+block per query tile above: a block's fixed costs (barriers, the first loads, the output's
+stores) weigh most where it has few keys to walk, and with more the fixed assignment of tiles
+to blocks loses to the hardware's (H200, bf16, forward TFLOP/s one block per tile -> per
+SM, causal: D 64 N 512 132 -> 167, N 1024 207 -> 239, N 16384 405 -> 388; D 128 N 512 170 ->
+204, N 1024 260 -> 287, N 4096 435 -> 430, N 16384 548 -> 519; unmasked D 128 N 512 315 ->
+364, N 16384 585 -> 570)."""
 
 
 def _snake(it, bx, grid, persistent: bool):
@@ -308,19 +315,21 @@ def _sm_count(persistent: bool):
 
 
 def _grid(total, sms, Lk, persistent: bool):
-    """Host code: blocks of a grid over ``total`` row tiles — one per SM where persistent and
-    ``Lk <= PERSISTENT_MAX_KEYS`` (:data:`PERSISTENT_MAX_KEYS`), else one per tile."""
-    return (T.if_then_else(Lk <= PERSISTENT_MAX_KEYS,
-                           T.min(total, T.max(T.cast(sms, "int64"), T.int64(1))), total)
-            if persistent else total)
+    """Host code: the int32 count of blocks of a grid over ``total`` row tiles — one per SM
+    where persistent and ``Lk <= PERSISTENT_MAX_KEYS``, else one per tile."""
+    return T.cast(T.if_then_else(Lk <= PERSISTENT_MAX_KEYS,
+                                 T.min(total, T.max(T.cast(sms, "int64"), T.int64(1))), total)
+                  if persistent else total, "int32")
 
 
 def _mine(total, grid, bx, persistent: bool):
     """Row tiles block ``bx`` walks (:func:`_snake`): one round each but, where the last
-    round is short, for the blocks it leaves out."""
+    round is short, for the blocks it leaves out. int32 like the grid: positions in 64 bits
+    cost the persistent forward at D 128 36 bytes of spills (ptxas, 2026-12-01)."""
+    total = T.cast(total, "int32")
     rounds = T.ceildiv(total, grid)
     return (T.if_then_else(_snake(rounds - 1, bx, grid, True) < total, rounds, rounds - 1)
-            if persistent else T.int64(1))
+            if persistent else 1)
 
 
 def _locator(causal: str, rows: int, step: int, group: int):
@@ -330,7 +339,7 @@ def _locator(causal: str, rows: int, step: int, group: int):
 
     @T.macro
     def locate(c, pos, nqt, heads, Hq, Lq, Lk):
-        t, bh = T.meta_var(_block_order(causal, pos, nqt, heads))
+        t, bh = T.meta_var(_block_order(causal, T.cast(pos, "int64"), nqt, heads))
         c[3] = (nqt - 1 - t) * rows
         c[0] = bh // Hq
         c[1] = bh % Hq
@@ -483,7 +492,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         sms: T.let[T.int32] = _sm_count(tile.persistent)
         nqt = T.meta_var(T.ceildiv(Lq, BM))
         total = T.meta_var(B * Hq * nqt)  # query tiles
-        grid: T.let[T.int64] = _grid(total, sms, Lk, tile.persistent)
+        grid: T.let[T.int32] = _grid(total, sms, Lk, tile.persistent)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -493,7 +502,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         T.device_entry()
         # one block per SM: the register cap that setmaxnreg redistributes
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
-        bx = T.cta_id([T.cast(grid, "int32")])
+        bx = T.cta_id([grid])
         tx = T.thread_id([NT])
         pool = T.alloc_buffer((pool_bytes,), "uint8", scope="shared.dyn", align=1024)
         Qs = T.decl_buffer((NA, BM, ATOM), dtype, data=pool.data, elem_offset=0,
@@ -510,8 +519,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         # the block's query tiles, in rounds over _block_order (causal: longest first): bx in
         # even rounds, grid - 1 - bx in odd ones, so that a block's long and short tiles even
         # out; a round's blocks walk adjacent tiles (a head's, sharing its K/V in L2)
-        bxl = T.meta_var(T.cast(bx, "int64"))
-        mine = T.meta_var(_mine(total, grid, bxl, tile.persistent))
+        mine = T.meta_var(_mine(total, grid, bx, tile.persistent))
         if tx == 0:
             for i in T.unroll(NB):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
@@ -524,7 +532,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0:
                 for it in T.serial(mine):
-                    locate(c, _snake(it, bxl, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
                     # the Q tile is reloaded once both consumers' products with it completed
                     if it > 0:
                         T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
@@ -567,7 +575,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             _desc(dq[0], T.address_of(Qs[0, cw * 64, 0]), 1, 8 * ROW, SW)
 
             for it in T.serial(mine):
-                locate(c, _snake(it, bxl, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
                 for i in T.unroll(NO * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(2):
@@ -774,10 +782,10 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         sms: T.let[T.int32] = _sm_count(tile.persistent)
         nqt = T.meta_var(T.ceildiv(Lq, BM))
         total = T.meta_var(B * Hq * nqt)  # query tiles
-        grid: T.let[T.int64] = _grid(total, sms, Lk, tile.persistent)
+        grid: T.let[T.int32] = _grid(total, sms, Lk, tile.persistent)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
-        bx = T.cta_id([T.cast(grid, "int32")])
+        bx = T.cta_id([grid])
         tx = T.thread_id([NT])
         pool = T.alloc_buffer((pool_bytes,), "uint8", scope="shared.dyn", align=1024)
         Qs = T.decl_buffer((NA, BM, ATOM), dtype, data=pool.data, elem_offset=0,
@@ -793,8 +801,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         dQf = T.decl_buffer((B * ob,), dtype, data=dQ.data)
         # b, h, kv head, q0, key tiles of the row tile; ring slots used by the ones before
         c = T.alloc_buffer((6,), "int64", scope="local")
-        bxl = T.meta_var(T.cast(bx, "int64"))
-        mine = T.meta_var(_mine(total, grid, bxl, tile.persistent))
+        mine = T.meta_var(_mine(total, grid, bx, tile.persistent))
         if tx == 0:
             for i in T.unroll(NB):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
@@ -807,7 +814,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0:
                 for it in T.serial(mine):
-                    locate(c, _snake(it, bxl, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
                     # Q and dO are reloaded once both consumers' S and dP with them completed
                     if it > 0:
                         T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
@@ -863,7 +870,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             _desc(doa[0], T.address_of(dOs[0, cw * 64, 0]), 1, 8 * ROW, SW)
 
             for it in T.serial(mine):
-                locate(c, _snake(it, bxl, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
                 for i in T.unroll(NO * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(2):

@@ -69,12 +69,15 @@ def test_hopper_serves_the_sm90a_forward_and_backward():
     for d in hopper.HEAD_DIMS:
         key = KernelKey("dkv", d, "bfloat16", "none", 1, "cuda-sm_90a")
         assert hopper.tile(key).split == (d >= 192) and hopper.supports(key) == (d > 32)
-    # the forward is persistent where that was measured faster and stays in registers
+    # the forward and dQ are persistent where that was measured faster and stays in registers
     for d in hopper.HEAD_DIMS:
         for causal in ("none", "top-left"):
             key = KernelKey("fwd", d, "bfloat16", causal, 1, "cuda-sm_90a")
             assert hopper.tile(key).persistent == (d in (32, 64, 128) or d == 256
                                                    and causal != "none")
+            # dQ where causal at the head dims measured
+            key = KernelKey("dq", d, "bfloat16", causal, 1, "cuda-sm_90a")
+            assert hopper.tile(key).persistent == (d in (64, 128, 192) and causal != "none")
 
 
 def test_backward_tiles_fit_shared_memory():
