@@ -39,7 +39,7 @@ class CudaSchedule(gpu.GpuSchedule):
         if cuda_hopper.supports(key):
             return cuda_hopper.tile(key).tile_config(key.op)
         if cuda_mma.supports(key):
-            return cuda_mma.tile(key).tile_config(key.op)
+            return cuda_mma.tile_config(key)
         return super().tile_config(key)
 
 

@@ -1,4 +1,6 @@
-"""CUDA (sm_80+, fp16/bf16): forward, dQ and dK/dV written at warp level on ``mma.sync``.
+"""CUDA (sm_80+, fp16/bf16): forward, dQ and dK/dV written at warp level on ``mma.sync``,
+and the backward's preprocess (Delta), which every fp16/bf16 backward on sm_80+ runs (the Hopper
+kernels' too).
 
 Why these kernels are written here and not scheduled from ``tvm_flash.kernels``: block-level
 tensorization (the WMMA schedule of docs/journal/perf-history.md v3/v4, since removed) keeps a
@@ -60,6 +62,7 @@ F32 = "float32"
 VEC = 8  # 16-bit elements per 16-byte copy
 ROW_PAD = 8  # elements of padding per shared row (16 bytes)
 OPS = ("fwd", "dq", "dkv")
+ROW_OPS = ("bwd_pre",)  # row-wise kernels written here (no tile, no mma)
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 SMEM_LIMIT = {80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227, 120: 99, 121: 99}
 """Dynamic shared memory a block may opt into, KiB, per compute capability (CUDA programming
@@ -125,12 +128,19 @@ class MmaTile:
 
 
 def supports(key: KernelKey) -> bool:
-    """Whether ``key`` runs on these kernels: fwd/dq/dkv, fp16/bf16, D in HEAD_DIMS, sm_80+."""
+    """Whether ``key`` runs on these kernels: fwd/dq/dkv/bwd_pre, fp16/bf16, D in HEAD_DIMS,
+    sm_80+."""
     # "90a": Hopper with its arch-specific instructions, still an sm_90 for mma.sync
     arch = key.target[len("cuda-sm_"):].removesuffix("a") if key.target.startswith(
         "cuda-sm_") else ""
-    return (key.op in OPS and key.dtype in _PTX and key.head_dim in HEAD_DIMS
+    return (key.op in OPS + ROW_OPS and key.dtype in _PTX and key.head_dim in HEAD_DIMS
             and arch.isdigit() and int(arch) >= 80)
+
+
+def tile_config(key: KernelKey) -> TileConfig:
+    """The (block_q, block_k) naming ``key``'s artifacts: its tile's, and for the row-wise
+    preprocess, which has none, the SIMT schedule's name for it (128 x 128)."""
+    return TileConfig(128, 128) if key.op in ROW_OPS else tile(key).tile_config(key.op)
 
 
 def tile(key: KernelKey) -> MmaTile:
@@ -932,10 +942,83 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
     return flash_dkv
 
 
-KERNELS = {"fwd": flash_forward, "dq": flash_dq, "dkv": flash_dkv}
+PRE_ROWS = 32
+"""Rows a block of the backward's preprocess reduces: 4 lanes a row, 128 threads."""
+
+
+def flash_bwd_pre(key: KernelKey, tile=None):
+    """``Delta[b, h, i] = sum_d O * dO`` in float32 (``tvm_flash.kernels``'
+    ``flash_bwd_preprocess``), for fp16/bf16 at any head dim in ``HEAD_DIMS``.
+
+    A memory-bound row reduction: four lanes share a row, each reading 16 bytes of O and of dO
+    per load (a quad covers 64 contiguous bytes), the products summed in float32 and then over
+    the quad by two shuffles. The block's first row and (batch, head) come from one int32
+    division of the block index. The SIMT schedule of the factory (a warp per row, 2-byte
+    loads, the row's coordinates recomputed per thread with 64-bit divisions) took 302 µs at
+    B·L = 16k, H·D = 2048 on the H200, 4x FlashAttention-2's preprocess, which also zeroes
+    dQ's float32 accumulator."""
+    D, dtype = key.head_dim, key.dtype
+    NC = D // 32  # 16-byte loads per lane: 8 elements of each of its row's 32-column stripes
+    NT = 128
+
+    def widen(w, hi: bool):
+        """Element ``hi`` of the two fp16/bf16 values in the 32-bit word ``w``, as float32."""
+        if dtype == "bfloat16":
+            return T.reinterpret(F32, (w & T.uint32(0xFFFF0000)) if hi else (w << T.uint32(16)))
+        half = (w >> T.uint32(16)) if hi else (w & T.uint32(0xFFFF))
+        return T.cast(T.reinterpret("float16", T.cast(half, "uint16")), F32)
+
+    @T.prim_func
+    def flash_bwd_pre(o_h: T.handle, do_h: T.handle, delta_h: T.handle):
+        T.func_attr({"global_symbol": "flash_bwd_pre", "tirx.noalias": True})
+        B, H, L = T.int64(), T.int64(), T.int64()
+        O_in = T.match_buffer(o_h, (B, H, L, D), dtype, strides=strides("o"))
+        dO_in = T.match_buffer(do_h, (B, H, L, D), dtype, strides=strides("do"))
+        Delta = T.match_buffer(delta_h, (B, H, L), F32)
+        _require_vector_rows("flash_bwd_pre", O_in, dO_in)
+        # 32-bit words (two elements) at strides visibly multiples of 4: 16-byte loads
+        Ow = T.decl_buffer((B, H, L, D // 2), "uint32", data=O_in.data,
+                           strides=[s // VEC * (VEC // 2) for s in O_in.strides[:3]] + [1])
+        dOw = T.decl_buffer((B, H, L, D // 2), "uint32", data=dO_in.data,
+                            strides=[s // VEC * (VEC // 2) for s in dO_in.strides[:3]] + [1])
+        nt = T.meta_var(T.ceildiv(L, PRE_ROWS))
+        bx = T.launch_thread("blockIdx.x", B * H * nt)
+        tx = T.launch_thread("threadIdx.x", NT)
+        o = T.alloc_buffer((4 * NC,), "uint32", scope="local")
+        do = T.alloc_buffer((4 * NC,), "uint32", scope="local")
+        acc = T.alloc_buffer((1,), F32, scope="local")
+        # the grid has fewer than 2^31 blocks: int32 quotients, non-negative (truncating)
+        bh = T.meta_var(T.truncdiv(T.cast(bx, "int32"), T.cast(nt, "int32")))
+        b = T.meta_var(T.cast(T.truncdiv(bh, T.cast(H, "int32")), "int64"))
+        h = T.meta_var(T.cast(T.truncmod(bh, T.cast(H, "int32")), "int64"))
+        row = T.meta_var(T.cast(T.truncmod(T.cast(bx, "int32"), T.cast(nt, "int32")), "int64")
+                         * PRE_ROWS + tx // 4)
+        acc[0] = T.float32(0)
+        if row < L:
+            # every load issued before the first use: one memory latency, not NC
+            for c in T.unroll(NC):
+                for v in T.vectorized(4):
+                    o[c * 4 + v] = Ow[b, h, row, (c * 4 + tx % 4) * 4 + v]
+                for v in T.vectorized(4):
+                    do[c * 4 + v] = dOw[b, h, row, (c * 4 + tx % 4) * 4 + v]
+            for v in T.unroll(4 * NC):
+                acc[0] = acc[0] + widen(o[v], False) * widen(do[v], False)
+                acc[0] = acc[0] + widen(o[v], True) * widen(do[v], True)
+        # every lane takes part in the shuffles (a row past L adds zeros)
+        acc[0] = acc[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), acc[0], 1, 32, 32)
+        acc[0] = acc[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), acc[0], 2, 32, 32)
+        if tx % 4 == 0 and row < L:
+            Delta[b, h, row] = acc[0]
+
+    return flash_bwd_pre
+
+
+KERNELS = {"fwd": flash_forward, "dq": flash_dq, "dkv": flash_dkv, "bwd_pre": flash_bwd_pre}
 
 
 def kernel(key: KernelKey, tile: MmaTile | None = None):
     """The warp-level PrimFunc for ``key`` (see :func:`supports`); ``tile`` overrides the
     chosen one (``scripts/sweep_mma.py`` measures candidates this way)."""
+    if key.op in ROW_OPS:
+        return KERNELS[key.op](key)
     return KERNELS[key.op](key, tile or _chosen_tile(key))

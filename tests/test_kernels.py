@@ -135,6 +135,7 @@ def test_large_head_dim_kernels_stay_in_registers(op, d, dtype, target, tmp_path
 @pytest.mark.parametrize("op,d,dtype,target", [
     ("fwd", 64, "float32", "cuda-sm_90"),  # fp32: the SIMT schedule
     ("fwd", 256, "float32", "cuda-sm_90"),
+    ("bwd_pre", 64, "float32", "cuda-sm_90"),
     ("fwd_split", 64, "bfloat16", "cuda-sm_90"),  # short-query path
     ("dq", 64, "float16", "llvm"),
 ])
@@ -144,14 +145,14 @@ def test_other_kernels_are_scheduled_from_the_factories(op, d, dtype, target):
 
 @pytest.mark.parametrize("target", ["cuda-sm_80", "cuda-sm_90"])
 def test_no_16_bit_tiled_kernel_takes_the_simt_schedule(target):
-    """Every fp16/bf16 forward, dQ and dK/dV key on sm_80+ is a warp-level kernel, at every
-    head dim, with a tile that fits the arch's shared memory."""
+    """Every fp16/bf16 forward, backward preprocess, dQ and dK/dV key on sm_80+ is a
+    warp-level kernel, at every head dim, with a tile that fits the arch's shared memory."""
     mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
-    for op, d, dtype in itertools.product(("fwd", "dq", "dkv"), HEAD_DIMS,
+    for op, d, dtype in itertools.product(("fwd", "bwd_pre", "dq", "dkv"), HEAD_DIMS,
                                           ("float16", "bfloat16")):
         key = _key(op, d, dtype, target)
         assert schedules.lowers("cuda", key), key
-        if d > 128:
+        if d > 128 and op != "bwd_pre":
             t = mma.tile(key)
             t.check(d)
             assert t.smem_bytes(op, d) <= mma._smem_limit(key), (key, t)
@@ -183,6 +184,31 @@ def test_mma_block_order_visits_every_tile_once(causal):
 
 def _poisoned(shape, dtype, device):
     return torch.full(shape, math.nan, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 96, 256])
+def test_backward_preprocess_16_bit(d, dtype, device):
+    """Delta = rowsum(O dO) in float32 (on sm_80+ the warp-level kernel of cuda_mma: 16-byte
+    loads, four lanes a row) against float64, at odd lengths (a block of 32 rows partly past
+    the end), several batches and heads, and on (B, L, H, D) storage viewed as (B, H, L, D):
+    every element written (poisoned before), none past the end."""
+    b, h = 3, 5
+    for length in (1, 7, 97, 1025):
+        out = torch.randn(b, length, h, d, dtype=dtype, device=device).transpose(1, 2)
+        do = torch.randn(b, h, length, d, dtype=dtype, device=device)
+        n = b * h * length
+        flat = _poisoned((n + 64,), torch.float32, device)
+        delta = flat[:n].view(b, h, length)
+        key = KernelKey("bwd_pre", d, str(dtype).removeprefix("torch."), "none", 1,
+                        target_tag_for_device(do.device))
+        kernel(key)(out, do, delta)
+        want = (out.double() * do.double()).sum(-1)
+        # float32 sums of float32 products of 16-bit values: a few ulp of the sum's terms
+        tol = 1e-5 * (out.double() * do.double()).abs().sum(-1) + 1e-6
+        assert ((delta.double() - want).abs() <= tol).all(), (length, d)
+        assert flat[n:].isnan().all(), "wrote past the end"
 
 
 @pytest.mark.parametrize("device", DEVICES)
