@@ -159,9 +159,11 @@ which the ``mma.sync`` kernel runs faster (H200, bf16, N 4096, the kernel alone:
 
 def writes(key: KernelKey) -> bool:
     """Whether this module has a kernel for ``key``: forward, dQ or dK/dV, fp16/bf16, sm_90a,
-    a head dim in ``OP_HEAD_DIMS`` of its op (every causal mode and GQA group)."""
+    a head dim in ``OP_HEAD_DIMS`` of its op (every causal mode and GQA group), no score
+    modifier (``tvm_flash.key.MODS``), not packed sequences (``varlen``): not written here
+    yet."""
     return (key.op in OPS and key.dtype in _PTX and key.head_dim in OP_HEAD_DIMS[key.op]
-            and key.target == "cuda-sm_90a")
+            and key.target == "cuda-sm_90a" and not key.mods and not key.varlen)
 
 
 def supports(key: KernelKey) -> bool:

@@ -129,12 +129,13 @@ class MmaTile:
 
 def supports(key: KernelKey) -> bool:
     """Whether ``key`` runs on these kernels: fwd/dq/dkv/bwd_pre, fp16/bf16, D in HEAD_DIMS,
-    sm_80+."""
+    sm_80+, no score modifier (``tvm_flash.key.MODS``), not packed sequences (``varlen``): not
+    written here yet."""
     # "90a": Hopper with its arch-specific instructions, still an sm_90 for mma.sync
     arch = key.target[len("cuda-sm_"):].removesuffix("a") if key.target.startswith(
         "cuda-sm_") else ""
     return (key.op in OPS + ROW_OPS and key.dtype in _PTX and key.head_dim in HEAD_DIMS
-            and arch.isdigit() and int(arch) >= 80)
+            and arch.isdigit() and int(arch) >= 80 and not key.mods and not key.varlen)
 
 
 def tile_config(key: KernelKey) -> TileConfig:

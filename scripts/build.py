@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from tvm_flash import artifacts, export, tuning  # noqa: E402
 from tvm_flash.build import schedules  # noqa: E402
-from tvm_flash.key import CAUSAL_MODES, DTYPES, HEAD_DIMS, KernelKey  # noqa: E402
+from tvm_flash.key import CAUSAL_MODES, DTYPES, HEAD_DIMS, MODS, KernelKey  # noqa: E402
 from tvm_flash.plan import call_keys  # noqa: E402
 from tvm_flash.target import parse_target, target_kind  # noqa: E402
 
@@ -42,16 +42,34 @@ def _csv(text, convert=str):
     return [convert(x) for x in text.split(",") if x]
 
 
-def plan(target: str, head_dims, dtypes, causals, groups, sinks=False) -> list[KernelKey]:
+def plan(target: str, head_dims, dtypes, causals, groups, sinks=False,
+         mods=(), varlen=False) -> list[KernelKey]:
     """Every kernel key to build: what calls with these static facts run, short-query and
     tiled, forward and backward (:func:`tvm_flash.plan.call_keys`); with ``sinks`` the
-    forward and its merge with and without sink logits. Each key once (the row-wise kernels
-    are shared by every causal mode and group)."""
+    forward and its merge with and without sink logits; ``mods``: combinations of score
+    modifiers (tuples of names from ``MODS``) built besides the plain kernels; ``varlen``:
+    each also for packed sequences. Each key once (the row-wise kernels are shared by every
+    causal mode, group and modifier)."""
     keys = []
-    for d, dt, causal, g, s in itertools.product(head_dims, dtypes, causals, groups,
-                                                 (False, True) if sinks else (False,)):
-        keys += call_keys(target, d, dt, causal, g, sinks=s)
+    for d, dt, causal, g, s, m, p in itertools.product(head_dims, dtypes, causals, groups,
+                                                       (False, True) if sinks else (False,),
+                                                       ((), *mods),
+                                                       (False, True) if varlen else (False,)):
+        keys += call_keys(target, d, dt, causal, g, sinks=s, mods=m, varlen=p)
     return list(dict.fromkeys(keys))
+
+
+def parse_mods(text: str) -> list[tuple[str, ...]]:
+    """``--mods``: comma-separated combinations, each of modifiers joined by ``+``
+    (``window+softcap,alibi``), as tuples in ``MODS`` order."""
+    combos = []
+    for combo in _csv(text):
+        names = set(combo.split("+"))
+        unknown = sorted(names - set(MODS))
+        if unknown:
+            raise ValueError(f"--mods: {unknown} not in {list(MODS)}")
+        combos.append(tuple(m for m in MODS if m in names))
+    return combos
 
 
 def check_supported(keys) -> None:
@@ -100,6 +118,12 @@ def main(argv=None) -> int:
                    help="comma list of GQA group sizes Hq/Hkv, e.g. 1,2,4,8 (default 1)")
     p.add_argument("--sinks", action="store_true",
                    help="also build the forward with per-head sink logits")
+    p.add_argument("--mods", default="",
+                   help="also build kernels with score modifiers: comma-separated combinations "
+                        "of window, softcap, alibi joined by '+' (e.g. window,window+softcap); "
+                        "a call needs the kernels of exactly its combination")
+    p.add_argument("--varlen", action="store_true",
+                   help="also build the kernels for packed sequences (tvm_flash.varlen_attention)")
     p.add_argument("--tuning-logs", default=str(ROOT / "tuning_logs"),
                    help="apply MetaSchedule logs from DIR/<target>/<kernel key>/ where present "
                         "(default: the repo's tuning_logs); 'none' to ignore logs")
@@ -118,7 +142,8 @@ def main(argv=None) -> int:
         if unknown:
             raise ValueError(f"--dtypes: {unknown} not in {sorted(SHORT)}")
         keys = plan(target, _csv(args.head_dims, int), [SHORT[d] for d in _csv(dtypes)],
-                    _csv(args.causal), _csv(args.gqa, int), args.sinks)
+                    _csv(args.causal), _csv(args.gqa, int), args.sinks,
+                    parse_mods(args.mods), args.varlen)
     except ValueError as err:
         p.error(str(err))
     check_supported(keys)

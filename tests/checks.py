@@ -20,13 +20,18 @@ def make_inputs(b, hq, hkv, lq, lk, d, dtype, device):
     return q, k, v, do
 
 
-def reference(q, k, v, do, causal, dtype, scale=None, sinks=None):
-    """Output, LSE and gradients (q, k, v[, sinks]) of the reference computed in ``dtype``."""
+def reference(q, k, v, do, causal, dtype, scale=None, sinks=None, mods=None):
+    """Output, LSE and gradients (q, k, v[, sinks]) of the reference computed in ``dtype``;
+    ``mods``: ``window_size``, ``softcap``, ``alibi_slopes`` as ``attention`` takes them."""
+    mods = mods or {}
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     if sinks is not None:
         leaves.append(sinks.detach().to(dtype).requires_grad_())
     out, lse = attention_reference(*leaves[:3], causal=causal, scale=scale,
-                                   sinks=leaves[3] if sinks is not None else None, dtype=dtype)
+                                   sinks=leaves[3] if sinks is not None else None,
+                                   window=mods.get("window_size"),
+                                   softcap=mods.get("softcap", 0.0),
+                                   alibi_slopes=mods.get("alibi_slopes"), dtype=dtype)
     out.backward(do.to(dtype))
     return out.detach(), lse.detach(), *(t.grad for t in leaves)
 
@@ -42,10 +47,11 @@ def _err(a, b):
 
 
 def check_against_reference(q, k, v, do, causal, *, scale=None, enable_gqa=True, sinks=None,
-                            floor=None):
+                            floor=None, **mods):
     """Run ours forward and backward; assert every output and gradient is within bounds.
 
-    ``floor`` raises the absolute floor (default: per dtype, ``FLOOR``).
+    ``floor`` raises the absolute floor (default: per dtype, ``FLOOR``); ``mods``: score
+    modifiers (``window_size``, ``softcap``, ``alibi_slopes``) for ours and the reference.
     """
     dtype = q.dtype
     is_causal = causal != "none"
@@ -55,11 +61,12 @@ def check_against_reference(q, k, v, do, causal, *, scale=None, enable_gqa=True,
         leaves.append(sinks.detach().requires_grad_())
     out, lse = attention(*leaves[:3], is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                          causal_alignment=causal if is_causal else "top-left",
-                         sinks=leaves[3] if sinks is not None else None, return_lse=True)
+                         sinks=leaves[3] if sinks is not None else None, return_lse=True,
+                         **mods)
     out.backward(do)
     ours = [out.detach(), lse, *(t.grad for t in leaves)]
-    exact = reference(q, k, v, do, causal, torch.float64, scale, sinks)
-    lowp = reference(q, k, v, do, causal, dtype, scale, sinks)
+    exact = reference(q, k, v, do, causal, torch.float64, scale, sinks, mods)
+    lowp = reference(q, k, v, do, causal, dtype, scale, sinks, mods)
     names = ["out", "lse", "dq", "dk", "dv", "dsinks"][:len(ours)]
     mults = [2, 2, 3, 3, 3, 3][:len(ours)]
     for name, o, e, lp, mult in zip(names, ours, exact, lowp, mults, strict=True):

@@ -1,5 +1,6 @@
 """scripts/build.py artifacts: build, manifest, loading without compiling, refusals."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -198,10 +199,15 @@ def test_op_table_matches_the_kernels(op):
     from tvm_flash.opspec import SPECS
 
     spec = SPECS[op]
+    tile = TileConfig(8, 64) if spec.packs else TileConfig(32, 32)
     key = KernelKey(op, 64, "float32", "none", 1, "llvm", sinks=spec.sinks)
-    func = FACTORIES[op](key, TileConfig(8, 64) if spec.packs else TileConfig(32, 32))
+    func = FACTORIES[op](key, tile)
     assert func.attrs["global_symbol"] == spec.symbol
-    assert tuple(p.name for p in func.params) == spec.args
+    assert tuple(p.name for p in func.params) == spec.args == spec.args_of(False)
+    if spec.mods:  # with any modifier the kernel takes MOD_ARGS too
+        for mods in ({"window": True}, {"softcap": True, "alibi": True}):
+            func = FACTORIES[op](dataclasses.replace(key, **mods), tile)
+            assert tuple(p.name for p in func.params) == spec.args_of(True)
 
 
 def test_build_rejects_unsupported_requests(tmp_path):

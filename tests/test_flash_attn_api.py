@@ -105,10 +105,6 @@ def test_kvpacked_and_qkvpacked_equal_the_unpacked_call(causal, device):
 
 UNSUPPORTED = [
     ({"dropout_p": 0.1}, "dropout_p"),
-    ({"window_size": (128, 0)}, "window_size"),
-    ({"window_size": (-1, 0)}, "window_size"),
-    ({"softcap": 30.0}, "softcap"),
-    ({"alibi_slopes": torch.ones(4)}, "alibi_slopes"),
 ]
 
 
@@ -124,6 +120,30 @@ def test_unsupported_arguments_are_refused_by_name(changes, name):
     # the defaults, and lists where flash-attn's callers pass them, are accepted
     flash_attn_func(q, k, v, dropout_p=0.0, window_size=[-1, -1], softcap=0.0,
                     alibi_slopes=None, deterministic=False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_modifiers_as_flash_attn_defines_them(causal):
+    """window_size, softcap and alibi_slopes reach the kernels with flash-attn's bottom-right
+    alignment: the same numbers as ``attention`` on the (B, H, L, D) views, on every entry
+    point (packed ones too)."""
+    from tvm_flash import attention
+
+    q, k, v, _ = blhd(2, 37, 50, 4, 2, 64, torch.float32, "cpu")
+    mods = {"window_size": (9, 2), "softcap": 3.0, "alibi_slopes": torch.rand(2, 4)}
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True, **mods)
+    ref, ref_lse = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                             is_causal=causal, causal_alignment="bottom-right", enable_gqa=True,
+                             return_lse=True, **mods)
+    assert torch.equal(out, ref.transpose(1, 2))
+    assert torch.equal(lse, ref_lse)
+    kv = torch.stack([k, v], dim=2)
+    assert torch.equal(flash_attn_kvpacked_func(q, kv, causal=causal, **mods), out)
+    qkv = torch.stack([q[:, :37], q[:, :37], q[:, :37]], dim=2)
+    self_ref = attention(*(qkv[:, :, 0].transpose(1, 2),) * 3, is_causal=causal,
+                         causal_alignment="bottom-right", **mods)
+    torch.testing.assert_close(flash_attn_qkvpacked_func(qkv, causal=causal, **mods),
+                               self_ref.transpose(1, 2), rtol=0, atol=0)
 
 
 BAD_INPUTS = [

@@ -139,6 +139,21 @@ def test_build_plan_covers_every_call_plan():
     # per D: bwd_pre, dq_merge, fwd_merge with and without sinks; per (D, causal, group):
     # fwd, dq, dkv, fwd_split, dq_split, dkv_packed and the forward with sinks
     assert len(built) == 2 * 4 + 2 * 2 * 2 * 7
+    # score modifiers and packed sequences: one combination, its tiled and short-query keys
+    # (the row-wise ones are shared); packed sequences only the tiled ones
+    mods = build_script.parse_mods("window+softcap")
+    assert mods == [("window", "softcap")]
+    more = set(build_script.plan("cuda-sm_90", [64], ["bfloat16"], ["none"], [1], mods=mods,
+                                 varlen=True))
+    for short, varlen in ((False, False), (True, False), (False, True)):
+        args = ("cuda-sm_90", 64, "bfloat16", "none", 1)
+        for m in ((), mods[0]):
+            assert set(plan.forward_keys(*args, sinks=False, short=short, mods=m,
+                                         varlen=varlen)) <= more
+            assert set(plan.backward_keys(*args, short=short, mods=m, varlen=varlen)) <= more
+    assert len(more) == 3 + 2 * 6 + 2 * 3
+    with pytest.raises(ValueError, match="--mods"):
+        build_script.parse_mods("window+dropout")
 
 
 @pytest.mark.gpu

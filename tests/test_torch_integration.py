@@ -114,3 +114,54 @@ def test_self_attention_module_matches_sdpa(device):
     ref.load_state_dict(ours.state_dict())
     x = torch.randn(2, 50, 256, device=device)
     torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_with_modifiers_and_packed_sequences(device):
+    """The ops' trailing values (window, cap, slopes, cu_seqlens, max lengths) keep their
+    fake implementations, schemas and autograd formula right, and torch.compile traces a call
+    with modifiers without a graph break."""
+    q, k, v = _qkv(device)
+    slopes = torch.rand(2, 4, device=device)
+    options = (5, 0, 3.0, slopes)
+    torch.library.opcheck(torch.ops.tvm_flash.fwd.default,
+                          (q, k, v, None, "bottom-right", 0.125, *options))
+    out, lse = torch.ops.tvm_flash.fwd(q, k, v, None, "bottom-right", 0.125, *options)
+    torch.library.opcheck(torch.ops.tvm_flash.bwd.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(),
+                           out.detach(), lse, None, "bottom-right", 0.125, *options))
+    # packed sequences: (1, H, total, D) views of (total, H, D) tensors
+    cu = torch.tensor([0, 30, 30, 80], dtype=torch.int32, device=device)
+    pq, pk, pv = (torch.randn(80, h, 64, device=device).transpose(0, 1)[None].requires_grad_()
+                  for h in (4, 2, 2))
+    torch.library.opcheck(torch.ops.tvm_flash.fwd.default,
+                          (pq, pk, pv, None, "none", 0.125, -1, -1, 0.0, None, cu, cu, 50, 50))
+
+    def step(q, k, v):
+        out = tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True, window_size=(8, 0),
+                                  softcap=2.0, alibi_slopes=slopes)
+        return (out * 2).sum()
+
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    loss = torch.compile(step, fullgraph=True, backend=backend)(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    ref = torch.autograd.grad(step(q, k, v), (q, k, v))
+    for g, r in zip(grads, ref, strict=True):
+        torch.testing.assert_close(g, r)
+
+
+def test_self_attention_module_with_modifiers():
+    """nn.SelfAttention's window, soft cap and ALiBi reach the kernels (the module equals
+    attention() on its projections), and impl="sdpa" refuses them by name."""
+    torch.manual_seed(1)
+    module = SelfAttention(256, heads=4, kv_heads=2, window_size=(6, 0), softcap=5.0,
+                           alibi=True)
+    x = torch.randn(2, 30, 256)
+    b, n, _ = x.shape
+    q, k, v = module.qkv(x).split([256, 128, 128], -1)
+    q, k, v = (t.view(b, n, -1, 64).transpose(1, 2) for t in (q, k, v))
+    o = tvm_flash.attention(q, k, v, is_causal=True, enable_gqa=True, window_size=(6, 0),
+                            softcap=5.0, alibi_slopes=tvm_flash.nn.alibi_slopes(4))
+    torch.testing.assert_close(module(x), module.proj(o.transpose(1, 2).reshape(b, n, 256)))
+    with pytest.raises(ValueError, match="^window_size: "):
+        SelfAttention(256, heads=4, impl="sdpa", window_size=(6, 0))

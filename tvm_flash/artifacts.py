@@ -147,6 +147,8 @@ def build_command(key: KernelKey, out: str | os.PathLike | None = None) -> str:
     cmd = (f"python scripts/build.py --target {target} --head-dims {key.head_dim} "
            f"--dtypes {DTYPES[key.dtype]} --causal {key.causal} --gqa {key.group}")
     cmd += " --sinks" if key.sinks else ""
+    cmd += f" --mods {'+'.join(key.mods)}" if key.mods else ""
+    cmd += " --varlen" if key.varlen else ""
     if out is not None and pathlib.Path(out) != default_artifact_dir(key.target):
         cmd += f" --out {out}"
     return cmd

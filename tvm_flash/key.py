@@ -34,6 +34,15 @@ CAUSAL_MODES = ("none", "top-left", "bottom-right")
 """``top-left``: key j is visible to query i iff j <= i (torch ``is_causal``).
 ``bottom-right``: iff j <= i + (Lk - Lq) (flash-attn >= 2.1); the two agree when Lq == Lk."""
 
+MODS = ("window", "softcap", "alibi")
+"""Score modifiers a kernel may be built with (each a :class:`KernelKey` flag), applied to
+the scaled scores ``s = (q . k) * scale`` of query i (at diagonal position ``i + offset``,
+``offset`` = 0 for a top-left causal mask, ``Lk - Lq`` otherwise, flash-attn's alignment)
+and key j: ``softcap``: ``s = cap * tanh(s / cap)``; ``alibi``: ``s -= slope[b, h] *
+|i + offset - j|``; ``window``: key j visible iff ``i + offset - left <= j <= i + offset +
+right`` (on top of the causal mask). The values (cap, slopes, left and right) are kernel
+arguments, so one kernel serves every window and cap."""
+
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 """Head dimensions the kernels are written for (multiples of 32 up to 256)."""
 
@@ -54,7 +63,10 @@ class KernelKey:
 
     ``target`` is a target tag as made by :func:`tvm_flash.target.parse_target`, e.g. ``llvm``,
     ``cuda-sm_90`` or ``metal-apple-m2``. ``sinks``: the forward takes per-head sink logits
-    (the backward kernels do not depend on it).
+    (the backward kernels do not depend on it). ``window``, ``softcap``, ``alibi``: the kernel
+    applies a sliding window, logit soft-capping or an ALiBi bias to its scores
+    (:data:`MODS`); the key names the feature, the call passes its values. ``varlen``: the
+    kernel's variable-length form (packed sequences, ``tvm_flash.opspec.VARLEN_ARGS``).
     """
 
     op: str
@@ -64,6 +76,10 @@ class KernelKey:
     group: int
     target: str
     sinks: bool = False
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+    varlen: bool = False
 
     def __post_init__(self):
         spec = self.spec
@@ -80,9 +96,23 @@ class KernelKey:
             takes = [op for op, s in SPECS.items() if s.sinks]
             raise ValueError(f"sinks: only the {' and '.join(takes)} kernels take sinks, not "
                              f"{self.op!r}")
+        mods = self.mods
+        if mods and not spec.mods:
+            takes = [op for op, s in SPECS.items() if s.mods]
+            raise ValueError(f"{mods[0]}: only the {', '.join(takes)} kernels modify scores, "
+                             f"not {self.op!r}")
+        if self.varlen and not spec.varlen:
+            takes = [op for op, s in SPECS.items() if s.varlen]
+            raise ValueError(f"varlen: only the {', '.join(takes)} kernels have a "
+                             f"variable-length form, not {self.op!r}")
         if spec.row_wise and (self.causal, self.group) != ("none", 1):
             raise ValueError(f"{self.op}: a row-wise kernel; its key takes causal='none', "
                              f"group=1")
+
+    @property
+    def mods(self) -> tuple[str, ...]:
+        """The score modifiers this kernel applies, in :data:`MODS` order."""
+        return tuple(m for m in MODS if getattr(self, m))
 
     @property
     def spec(self) -> OpSpec:
@@ -92,7 +122,9 @@ class KernelKey:
     @property
     def name(self) -> str:
         """File-system safe name, e.g. ``fwd-d64-bf16-top-left-g4-cuda-sm_90``
-        (``fwd-sinks-…`` for the forward with sinks; ``dkv_packed-…`` etc.)."""
-        op = f"{self.op}-sinks" if self.sinks else self.op
+        (``fwd-sinks-…`` for the forward with sinks, ``dq-window-softcap-…`` for a dQ with
+        score modifiers, ``fwd-varlen-…`` for packed sequences; ``dkv_packed-…`` etc.)."""
+        op = "-".join((self.op, *(("varlen",) if self.varlen else ()),
+                       *(("sinks",) if self.sinks else ()), *self.mods))
         dtype = DTYPES[self.dtype]
         return f"{op}-d{self.head_dim}-{dtype}-{self.causal}-g{self.group}-{self.target}"

@@ -14,6 +14,7 @@ compiler sees as opaque nodes with fake implementations and an autograd formula.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -21,10 +22,64 @@ import torch
 import torch.nn.functional as F
 
 from . import plan
-from .key import HEAD_DIMS
+from .key import HEAD_DIMS, MODS
 from .layout import kernel_view, output_like
 
 _TORCH_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreMods:
+    """A call's score modifiers (``tvm_flash.key.MODS``), validated (:func:`check_mods`):
+    ``window`` ``(left, right)`` with -1 unbounded, ``softcap`` (0: none), ``alibi``: slopes
+    ``(Hq,)`` or ``(B, Hq)`` float32, or None."""
+
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: torch.Tensor | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The modifiers in effect, in ``MODS`` order: what the kernels are built with."""
+        on = {"window": self.window != (-1, -1), "softcap": self.softcap != 0.0,
+              "alibi": self.alibi is not None}
+        return tuple(m for m in MODS if on[m])
+
+    def kernel_args(self, b: int, hq: int, lq: int, lk: int, device) -> tuple:
+        """The kernels' ``MOD_ARGS`` (``tvm_flash.opspec``): slopes ``(B, Hq)`` float32 (a
+        placeholder the kernel never reads without ALiBi), the window's extents with
+        "unbounded" as ``Lq + Lk`` (no query is that far from any key), the cap (1.0 where
+        unused)."""
+        if self.alibi is None:
+            slopes = torch.empty((b, hq), dtype=torch.float32, device=device)
+        else:
+            slopes = self.alibi.expand(b, hq).contiguous()
+        far = lq + lk
+        left, right = (far if w < 0 else min(w, far) for w in self.window)
+        return slopes, left, right, self.softcap or 1.0
+
+
+NO_MODS = ScoreMods()
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """Packed sequences (varlen), validated (:func:`check_packed`): sequence ``s`` owns rows
+    ``[cu_q[s], cu_q[s + 1])`` of the queries and ``[cu_k[s], cu_k[s + 1])`` of the keys
+    (int32 ``(NS + 1,)`` on the inputs' device); ``max_q``/``max_k`` bound every length."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    @property
+    def count(self) -> int:
+        return self.cu_q.shape[0] - 1
+
+    def kernel_args(self) -> tuple:
+        """The kernels' ``VARLEN_ARGS`` (``tvm_flash.opspec``)."""
+        return self.cu_q, self.cu_k, self.max_q, self.max_k
 CAUSAL_ALIGNMENTS = ("top-left", "bottom-right")
 HEAD_DIM_MAX = HEAD_DIMS[-1]
 
@@ -50,10 +105,20 @@ def pad_head_dim(fn, q, k, v, *args):
     return (output_like(q).copy_(out[..., :d]), *rest)
 
 
-def flash_forward(q, k, v, sinks, causal: str, scale: float):
+def _extra(mods: ScoreMods, packed: Packed | None, b, hq, lq, lk, device) -> tuple:
+    """The tiled kernels' trailing arguments (``tvm_flash.plan.Plan.forward``)."""
+    if packed is not None:  # slopes per sequence; windows bounded by the longest ones
+        b, lq, lk = packed.count, packed.max_q, packed.max_k
+    extra = mods.kernel_args(b, hq, lq, lk, device) if mods.names else ()
+    return extra + packed.kernel_args() if packed is not None else extra
+
+
+def flash_forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = NO_MODS,
+                  packed: Packed | None = None):
     """Run the forward kernels: returns ``(out, lse)``. Inputs must already be validated and
     in the kernels' layout (:func:`tvm_flash.layout.kernel_view`); ``sinks`` is None or a
-    float32 ``(Hq,)`` tensor."""
+    float32 ``(Hq,)`` tensor; ``packed``: q, k, v are ``(1, H, rows, D)`` views of packed
+    sequences."""
     b, hq, lq, d = q.shape
     out = output_like(q)
     lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
@@ -62,9 +127,10 @@ def flash_forward(q, k, v, sinks, causal: str, scale: float):
     if k.shape[2] == 0:  # no keys at all: every row is empty (but for its sink)
         lse.fill_(-math.inf) if sinks is None else lse.copy_(sinks[None, :, None].expand_as(lse))
         return out.zero_(), lse
-    run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], sinks is not None, lq, False)
+    run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], sinks is not None,
+                   packed.max_q if packed else lq, False, mods.names, packed is not None)
     run.forward(q, k, v, sinks if sinks is not None else _no_sinks(q.device, hq), out, lse,
-                scale)
+                scale, _extra(mods, packed, b, hq, lq, k.shape[2], q.device))
     return out, lse
 
 
@@ -87,16 +153,19 @@ def sink_gradient(sinks, lse, delta):
     return -(p_sink * delta).sum(dim=(0, 2))
 
 
-def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float):
+def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float,
+                   mods: ScoreMods = NO_MODS, packed: Packed | None = None):
     """Run preprocess, dQ and dK/dV: returns ``(dq, dk, dv, dsinks)``; dsinks is zeros of
     shape (Hq,) without sinks. Tensors in the kernels' layout, ``lse`` contiguous."""
     b, hq, lq, d = q.shape
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), lse.new_zeros(hq)
-    run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], False, lq, True)
+    run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], False,
+                   packed.max_q if packed else lq, True, mods.names, packed is not None)
     delta = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
-    run.backward(do, q, k, v, out, lse, delta, dq, dk, dv, scale)
+    run.backward(do, q, k, v, out, lse, delta, dq, dk, dv, scale,
+                 _extra(mods, packed, b, hq, lq, k.shape[2], q.device))
     dsinks = sink_gradient(sinks, lse, delta) if sinks is not None else lse.new_zeros(hq)
     return dq, dk, dv, dsinks
 
@@ -114,43 +183,91 @@ def _eager(q, k, v) -> bool:
 # formula that calls the backward op.
 
 
+# The score modifiers and packed sequences cross the ops as plain values (an op's schema takes
+# ints, floats and tensors, not a ScoreMods or a Packed): window_left, window_right, softcap,
+# alibi, then cu_q, cu_k, max_q, max_k (no cu_q: dense).
+
+
+def _options(window_left, window_right, softcap, alibi, cu_q, cu_k, max_q, max_k):
+    """The ops' trailing values -> (ScoreMods, Packed or None)."""
+    packed = Packed(cu_q, cu_k, max_q, max_k) if cu_q is not None else None
+    return ScoreMods((window_left, window_right), softcap, alibi), packed
+
+
+def _values(mods: ScoreMods, packed: Packed | None) -> tuple:
+    """(ScoreMods, Packed or None) -> the ops' trailing values."""
+    seqs = (None, None, 0, 0) if packed is None else packed.kernel_args()
+    return (*mods.window, mods.softcap, mods.alibi, *seqs)
+
+
 @torch.library.custom_op("tvm_flash::fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-            causal: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal, scale)
+            causal: str, scale: float, window_left: int = -1, window_right: int = -1,
+            softcap: float = 0.0, alibi: torch.Tensor | None = None,
+            cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,
+            max_q: int = 0, max_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal, scale,
+                         *_options(window_left, window_right, softcap, alibi, cu_q, cu_k, max_q,
+                                   max_k))
 
 
 # Fakes allocate like the real ops (layout.output_like), so their strides agree.
 @_fwd_op.register_fake
-def _(q, k, v, sinks, causal, scale):
+def _(q, k, v, sinks, causal, scale, *options):
     return output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("tvm_flash::bwd", mutates_args=())
 def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, causal: str,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+            alibi: torch.Tensor | None = None, cu_q: torch.Tensor | None = None,
+            cu_k: torch.Tensor | None = None, max_q: int = 0, max_k: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return flash_backward(kernel_view(do), kernel_view(q), kernel_view(k), kernel_view(v),
-                          kernel_view(out), lse.contiguous(), sinks, causal, scale)
+                          kernel_view(out), lse.contiguous(), sinks, causal, scale,
+                          *_options(window_left, window_right, softcap, alibi, cu_q, cu_k,
+                                    max_q, max_k))
 
 
 @_bwd_op.register_fake
-def _(do, q, k, v, out, lse, sinks, causal, scale):
+def _(do, q, k, v, out, lse, sinks, causal, scale, *options):
     return output_like(q), output_like(k), output_like(v), lse.new_empty(q.shape[1])
 
 
+_OPTIONS = 8
+"""The ops' trailing values (see ``_options``), none of them differentiable."""
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, causal, scale = inputs
+    q, k, v, sinks, causal, scale, *options = inputs
+    mods, packed = _options(*options)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, sinks)
+    ctx.save_for_backward(q, k, v, out, lse, sinks, mods.alibi,
+                          *((packed.cu_q, packed.cu_k) if packed else (None, None)))
     ctx.causal, ctx.scale = causal, scale
+    ctx.window, ctx.softcap = mods.window, mods.softcap
+    ctx.max_seqlens = (packed.max_q, packed.max_k) if packed else (0, 0)
     ctx.mark_non_differentiable(lse)
 
 
+def _saved(ctx):
+    """What the backward needs from ``ctx``: the saved tensors and (ScoreMods, Packed)."""
+    q, k, v, out, lse, sinks, alibi, cu_q, cu_k = ctx.saved_tensors
+    return (q, k, v, out, lse, sinks), _options(*ctx.window, ctx.softcap, alibi, cu_q, cu_k,
+                                                *ctx.max_seqlens)
+
+
+def _grads(dq, dk, dv, dsinks, sinks):
+    """The gradients of the forward's inputs (none of the mask, scale and options)."""
+    return dq, dk, dv, (dsinks if sinks is not None else None), None, None, *([None] * _OPTIONS)
+
+
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = _bwd_op(dout, q, k, v, out, lse, sinks, ctx.causal, ctx.scale)
-    return dq, dk, dv, (dsinks if sinks is not None else None), None, None
+    (q, k, v, out, lse, sinks), (mods, packed) = _saved(ctx)
+    dq, dk, dv, dsinks = _bwd_op(dout, q, k, v, out, lse, sinks, ctx.causal, ctx.scale,
+                                 *_values(mods, packed))
+    return _grads(dq, dk, dv, dsinks, sinks)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -162,40 +279,47 @@ class _Attention(torch.autograd.Function):
     backward takes them as they are."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, causal, scale):
+    def forward(ctx, q, k, v, sinks, causal, scale, *options):
         q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
-        out, lse = flash_forward(q, k, v, sinks, causal, scale)
-        _setup_context(ctx, (q, k, v, sinks, causal, scale), (out, lse))
+        out, lse = flash_forward(q, k, v, sinks, causal, scale, *_options(*options))
+        _setup_context(ctx, (q, k, v, sinks, causal, scale, *options), (out, lse))
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, sinks = ctx.saved_tensors
+        (q, k, v, out, lse, sinks), (mods, packed) = _saved(ctx)
         if not _eager(dout, q, k):  # traced (compiled autograd): the tracer sees the op
             return _backward(ctx, dout, _dlse)
         dq, dk, dv, dsinks = flash_backward(kernel_view(dout), q, k, v, out, lse, sinks,
-                                            ctx.causal, ctx.scale)
-        return dq, dk, dv, (dsinks if sinks is not None else None), None, None
+                                            ctx.causal, ctx.scale, mods, packed)
+        return _grads(dq, dk, dv, dsinks, sinks)
 
 
-def forward(q, k, v, sinks, causal: str, scale: float):
-    """``(out, lse)`` of validated inputs in ``(B, H, L, D)``, recording the backward where
-    autograd needs it; the custom op ``tvm_flash::fwd`` where a tracer must see it. A head dim
-    without kernels is padded to the next (:func:`native_head_dim`)."""
+def forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = NO_MODS,
+            packed: Packed | None = None):
+    """``(out, lse)`` of validated inputs in ``(B, H, L, D)`` (packed sequences: ``(1, H,
+    rows, D)`` views and ``packed``), recording the backward where autograd needs it; the
+    custom op ``tvm_flash::fwd`` where a tracer must see it. A head dim without kernels is
+    padded to the next (:func:`native_head_dim`)."""
     if q.shape[-1] not in HEAD_DIMS:
-        return pad_head_dim(forward, q, k, v, sinks, causal, scale)
+        return pad_head_dim(forward, q, k, v, sinks, causal, scale, mods, packed)
     if not _eager(q, k, v):
-        return _fwd_op(q, k, v, sinks, causal, scale)
+        return _fwd_op(q, k, v, sinks, causal, scale, *_values(mods, packed))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             sinks is not None and sinks.requires_grad)):
-        return _Attention.apply(q, k, v, sinks, causal, scale)
-    return flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal, scale)
+        return _Attention.apply(q, k, v, sinks, causal, scale, *_values(mods, packed))
+    return flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal, scale,
+                         mods, packed)
 
 
 BHLD = "(B, H, L, D)"
 """torch SDPA's layout of q, k, v (:func:`attention`)."""
 BLHD = "(B, L, H, D)"
 """flash-attn's layout (:mod:`tvm_flash.flash_attn`)."""
+THD = "(total, H, D)"
+"""Packed sequences (:func:`varlen_attention`): every sequence's rows, one after the other."""
+_HEADS = {BHLD: 1, BLHD: 2, THD: 1}
+"""Where each layout keeps the heads."""
 _NAMES = {"q": "q", "k": "k", "v": "v", "scale": "scale"}
 
 
@@ -266,9 +390,68 @@ def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool, sinks=None,
     return scale
 
 
+def check_mods(q, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+               layout: str = BHLD, batch: int | None = None) -> ScoreMods:
+    """Validate the score modifiers (q already checked by :func:`check_inputs`); return them
+    as the kernels take them. Errors name the argument. ``batch``: the number of sequences
+    where it is not q's first dimension (packed sequences)."""
+    try:
+        window = tuple(window_size)
+    except TypeError:
+        raise TypeError(f"window_size: expected a pair (left, right) of ints, got "
+                        f"{window_size!r}") from None
+    if len(window) != 2 or not all(isinstance(w, int) and not isinstance(w, bool)
+                                   for w in window):
+        raise TypeError(f"window_size: expected a pair (left, right) of ints, got "
+                        f"{window_size!r}")
+    if min(window) < -1:
+        raise ValueError(f"window_size: {window} has a negative extent; use >= 0, or -1 for "
+                         "unbounded")
+    try:
+        cap = float(softcap)
+    except (TypeError, ValueError):
+        raise TypeError(f"softcap: expected a number, got {softcap!r}") from None
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"softcap: must be a finite number >= 0 (0: no cap), got {softcap}")
+    b, hq = q.shape[0] if batch is None else batch, q.shape[_HEADS[layout]]
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes: expected a torch.Tensor of shape ({hq},) or "
+                            f"({b}, {hq}), got {type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise TypeError(f"alibi_slopes: dtype {alibi_slopes.dtype}; ALiBi slopes are "
+                            "float32")
+        if tuple(alibi_slopes.shape) not in ((hq,), (b, hq)):
+            raise ValueError(f"alibi_slopes: expected shape ({hq},) or ({b}, {hq}), got "
+                             f"{tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != q.device:
+            raise ValueError(f"alibi_slopes: device {alibi_slopes.device} differs from q's "
+                             f"{q.device}")
+    mods = ScoreMods(window, cap, alibi_slopes)
+    if mods.names:
+        name = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes"}
+        factory_only(q, name[mods.names[0]], "sliding windows, soft caps or ALiBi")
+    return mods
+
+
+def factory_only(q, argument: str, what: str) -> None:
+    """Refuse, naming ``argument``, a feature only the kernels written from the factories
+    have (score modifiers, packed sequences) where q would run the tensor-core ones.
+
+    Every factory kernel has them: the CPU's, the SIMT GPU schedule's (float32 on CUDA) and
+    Metal's. On CUDA fp16/bf16 run the warp-level kernels (``schedules/cuda_mma.py``,
+    ``cuda_hopper.py``), which do not have them yet; sending such a call to the SIMT schedule
+    instead would be ~20x slower than the caller expects, so it is refused."""
+    if q.device.type == "cuda" and q.dtype != torch.float32:
+        raise NotImplementedError(
+            f"{argument}: the CUDA tensor-core kernels (float16/bfloat16) do not take {what} "
+            "yet (issue #21); they run on the CPU and for float32 on CUDA")
+
+
 def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
               enable_gqa: bool = False, causal_alignment: str = "top-left",
-              sinks: torch.Tensor | None = None, return_lse: bool = False):
+              sinks: torch.Tensor | None = None, window_size=(-1, -1), softcap: float = 0.0,
+              alibi_slopes: torch.Tensor | None = None, return_lse: bool = False):
     """Flash attention, forward and backward, with torch SDPA's semantics.
 
     Args:
@@ -284,6 +467,14 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
         sinks: optional learnable sink logits ``(Hq,)``: each row's softmax denominator gains
             ``exp(sinks[h])`` (a virtual key with no value). Differentiable: the gradient is
             ``-sum_rows P_sink * Delta``. Any float dtype; computed in float32.
+        window_size: sliding window ``(left, right)``, -1 unbounded: query i sees key j iff
+            ``c - left <= j <= c + right`` (and the causal mask), where ``c`` is the query's
+            diagonal: ``c = i`` under a top-left causal mask, ``c = i + Lk - Lq`` otherwise
+            (flash-attn's alignment). Key tiles outside the window are skipped.
+        softcap: if > 0, scores ``s = q.k * scale`` become ``softcap * tanh(s / softcap)``
+            (Gemma 2), with the exact gradient.
+        alibi_slopes: ALiBi slopes ``(Hq,)`` or ``(B, Hq)``, float32: scores gain
+            ``-slope * |c - j|`` (after the soft cap); not differentiated.
         return_lse: also return the row logsumexp (including the sink, if any).
 
     Returns:
@@ -306,8 +497,119 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
     causal = causal_alignment if is_causal else "none"
     scale = check_inputs(q, k, v, causal=causal, scale=scale, enable_gqa=enable_gqa,
                          sinks=sinks)
+    mods = check_mods(q, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     if sinks is not None:
         sinks = sinks.float().contiguous()  # differentiable cast: dsinks flows back
-    out, lse = forward(q, k, v, sinks, causal, scale)
+    out, lse = forward(q, k, v, sinks, causal, scale, mods)
     return (out, lse) if return_lse else out
 
+
+
+def check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 names: dict | None = None) -> Packed:
+    """Validate packed sequences: ``(total, H, D)`` q, k, v (their other facts are
+    :func:`check_inputs`' on the ``(1, H, total, D)`` views) and the ``cu_seqlens``. Reads the
+    ``cu_seqlens`` on the host (a synchronisation on a GPU): a length past ``max_seqlen`` or
+    past the rows there are would make the kernels skip rows or read out of bounds."""
+    n = _NAMES if names is None else {**_NAMES, **names}
+    for name, t in ((n["q"], q), (n["k"], k), (n["v"], v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected 3 dimensions {THD}, got shape "
+                             f"{tuple(t.shape)}")
+    cus = {}
+    for name, cu, rows in (("cu_seqlens_q", cu_seqlens_q, q.shape[0]),
+                           ("cu_seqlens_k", cu_seqlens_k, k.shape[0])):
+        if not isinstance(cu, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise TypeError(f"{name}: dtype {cu.dtype}; cu_seqlens are int32")
+        if cu.dim() != 1 or cu.shape[0] < 2:
+            raise ValueError(f"{name}: expected shape (batch + 1,) with batch >= 1, got "
+                             f"{tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name}: device {cu.device} differs from q's {q.device}")
+        host = cu.tolist()
+        if host[0] != 0 or host[-1] != rows:
+            raise ValueError(f"{name}: must start at 0 and end at the {rows} rows given, got "
+                             f"{host[0]} ... {host[-1]}")
+        lengths = [b - a for a, b in zip(host[:-1], host[1:], strict=True)]
+        if min(lengths) < 0:
+            raise ValueError(f"{name}: must not decrease (sequence {lengths.index(min(lengths))}"
+                             f" has length {min(lengths)})")
+        cus[name] = (cu if cu.is_contiguous() else cu.contiguous(), max(lengths))
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k: shape {tuple(cu_seqlens_k.shape)} differs from "
+                         f"cu_seqlens_q's {tuple(cu_seqlens_q.shape)} (one entry per sequence)")
+    maxes = []
+    for name, given, (_, longest) in (("max_seqlen_q", max_seqlen_q, cus["cu_seqlens_q"]),
+                                      ("max_seqlen_k", max_seqlen_k, cus["cu_seqlens_k"])):
+        if not isinstance(given, int) or isinstance(given, bool):
+            raise TypeError(f"{name}: expected an int, got {type(given).__name__}")
+        if given < longest:
+            raise ValueError(f"{name}: {given} is shorter than the longest sequence "
+                             f"({longest} rows)")
+        maxes.append(given)
+    factory_only(q, "cu_seqlens_q", "packed sequences")
+    return Packed(cus["cu_seqlens_q"][0], cus["cu_seqlens_k"][0], *maxes)
+
+
+def _packed_view(t):
+    """``(total, H, D)`` -> the kernels' ``(1, H, total, D)`` view (no copy)."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def varlen_forward(q, k, v, packed: Packed, sinks, causal: str, scale: float,
+                   mods: ScoreMods = NO_MODS):
+    """``(out, lse)`` of validated packed sequences: out ``(total_q, Hq, D)``, lse
+    ``(Hq, total_q)``."""
+    out, lse = forward(_packed_view(q), _packed_view(k), _packed_view(v), sinks, causal, scale,
+                       mods, packed)
+    return out[0].transpose(0, 1), lse[0]
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                     max_seqlen_k: int, *, is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False, causal_alignment: str = "top-left",
+                     sinks: torch.Tensor | None = None, window_size=(-1, -1),
+                     softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                     return_lse: bool = False):
+    """Attention over a batch of packed sequences of different lengths (no padding).
+
+    Args:
+        q: ``(total_q, Hq, D)``: every sequence's queries, one sequence after the other.
+        k, v: ``(total_k, Hkv, D)``, packed the same way; ``Hkv`` divides ``Hq`` (GQA needs
+            ``enable_gqa``).
+        cu_seqlens_q: int32 ``(B + 1,)``: sequence ``s`` owns query rows
+            ``[cu_seqlens_q[s], cu_seqlens_q[s + 1])``; starts at 0, never decreases (empty
+            sequences are fine), ends at ``total_q``.
+        cu_seqlens_k: int32 ``(B + 1,)``, the same for keys and values.
+        max_seqlen_q, max_seqlen_k: at least the longest sequence's length (they size the
+            kernels' grids; a longer bound costs idle blocks, a shorter one is refused).
+        is_causal, scale, enable_gqa, causal_alignment, sinks, window_size, softcap:
+            as :func:`attention`, within each sequence (positions count from its start;
+            ``causal_alignment`` applies to each sequence's own lengths).
+        alibi_slopes: ``(Hq,)`` or ``(B, Hq)`` float32 (per sequence).
+        return_lse: also return the row logsumexp.
+
+    Returns:
+        ``out`` ``(total_q, Hq, D)``; with ``return_lse`` also ``lse`` ``(Hq, total_q)``
+        float32 (flash-attn's varlen layout), ``-inf`` for a row that sees no key.
+
+    Validating the ``cu_seqlens`` reads them on the host (a synchronisation on a GPU). The
+    backward is deterministic, as :func:`attention`'s.
+    """
+    if causal_alignment not in CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment: {causal_alignment!r} is not one of "
+                         f"{CAUSAL_ALIGNMENTS}")
+    causal = causal_alignment if is_causal else "none"
+    packed = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = check_inputs(_packed_view(q), _packed_view(k), _packed_view(v), causal=causal,
+                         scale=scale, enable_gqa=enable_gqa, sinks=sinks)
+    mods = check_mods(q, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                      layout=THD, batch=packed.count)
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    out, lse = varlen_forward(q, k, v, packed, sinks, causal, scale, mods)
+    return (out, lse) if return_lse else out

@@ -26,7 +26,8 @@ class OpSpec:
     (the buffers, then ``scale``), as :mod:`tvm_flash.ops` passes them. ``factory`` names the
     function of :mod:`tvm_flash.kernels` that writes it and ``factory_args`` the parameters it
     is called with: key fields (``head_dim``, ``dtype``, ``causal``, ``group``, ``sinks``), the
-    ``tile``, and ``packed`` (true for a kernel over packed rows).
+    ``tile``, ``mods`` (its score modifiers, :class:`tvm_flash.kernels.common.Mods`),
+    ``packed`` (true for a kernel over packed rows) and ``varlen``.
     """
 
     name: str
@@ -44,35 +45,58 @@ class OpSpec:
     whose blocks and buffers it shares, so a schedule treats it as that op."""
     short_query: bool = False
     """Part of the short-query ("vector") path rather than the tiled one."""
+    mods: bool = False
+    """Computes scores: its key exists with score modifiers (``tvm_flash.key.MODS``), and such
+    a kernel takes :data:`MOD_ARGS` after its own arguments."""
+    varlen: bool = False
+    """Has a variable-length form (packed sequences, ``KernelKey.varlen``), which takes
+    :data:`VARLEN_ARGS` last."""
+
+    def args_of(self, mods: bool = False, varlen: bool = False) -> tuple[str, ...]:
+        """The entry function's parameters of a kernel built with or without score modifiers
+        and in its variable-length form or not."""
+        return self.args + (MOD_ARGS if mods else ()) + (VARLEN_ARGS if varlen else ())
 
 
-_TILE = ("head_dim", "dtype", "causal", "group", "tile")
+MOD_ARGS = ("Slopes", "window_left", "window_right", "softcap")
+"""What a kernel with score modifiers takes after its own arguments, whichever modifiers it
+applies (one calling convention; the others are passed and ignored, as ``Sinks`` is):
+ALiBi slopes ``(B, Hq)`` float32, the window's left and right extents (int64, each at most
+``Lq + Lk``: a larger one is unbounded) and the soft cap (float32)."""
+
+VARLEN_ARGS = ("CuQ", "CuK", "max_seqlen_q", "max_seqlen_k")
+"""What a variable-length kernel takes last: where each sequence's queries and keys start in
+the packed rows (int32 ``(NS + 1,)``, flash-attn's ``cu_seqlens``) and the longest of each
+(int64; they size the grid). Its q, k, v, ... are then ``(1, H, total rows, D)``."""
+
+
+_TILE = ("head_dim", "dtype", "causal", "group", "tile", "mods")
 
 SPECS = {spec.name: spec for spec in (
     # the tiled path: forward (O, LSE); backward preprocess (Delta = rowsum(dO * O)); dQ; dK/dV
     OpSpec("fwd", "flash_fwd", ("Q", "K", "V", "Sinks", "O", "LSE", "scale"),
-           "flash_forward", (*_TILE, "sinks"), sinks=True),
+           "flash_forward", (*_TILE, "sinks", "varlen"), sinks=True, mods=True, varlen=True),
     OpSpec("bwd_pre", "flash_bwd_pre", ("O", "dO", "Delta"),
            "flash_bwd_preprocess", ("head_dim", "dtype", "tile"), row_wise=True),
     OpSpec("dq", "flash_dq", ("Q", "K", "V", "dO", "LSE", "Delta", "dQ", "scale"),
-           "flash_dq", _TILE),
+           "flash_dq", (*_TILE, "varlen"), mods=True, varlen=True),
     OpSpec("dkv", "flash_dkv", ("Q", "K", "V", "dO", "LSE", "Delta", "dK", "dV", "scale"),
-           "flash_dkv", _TILE),
+           "flash_dkv", (*_TILE, "varlen"), mods=True, varlen=True),
     # the short-query path: forward and dQ cut the keys into splits whose partial results a
     # merge kernel adds up in order; dK/dV is the tiled kernel over packed rows; ``bwd_pre``
     # is shared with the tiled path
     OpSpec("fwd_split", "flash_fwd_split", ("Q", "K", "V", "Opart", "Mpart", "Lpart", "scale"),
-           "flash_forward_split", _TILE, packs="fwd", short_query=True),
+           "flash_forward_split", _TILE, packs="fwd", short_query=True, mods=True),
     OpSpec("fwd_merge", "flash_fwd_merge", ("Opart", "Mpart", "Lpart", "Sinks", "O", "LSE"),
            "flash_forward_merge", ("head_dim", "dtype", "sinks"), row_wise=True, sinks=True,
            short_query=True),
     OpSpec("dq_split", "flash_dq_split",
            ("Q", "K", "V", "dO", "LSE", "Delta", "dQpart", "scale"),
-           "flash_dq_split", _TILE, packs="dq", short_query=True),
+           "flash_dq_split", _TILE, packs="dq", short_query=True, mods=True),
     OpSpec("dq_merge", "flash_dq_merge", ("dQpart", "dQ", "scale"),
            "flash_dq_merge", ("head_dim", "dtype"), row_wise=True, short_query=True),
     OpSpec("dkv_packed", "flash_dkv", ("Q", "K", "V", "dO", "LSE", "Delta", "dK", "dV", "scale"),
-           "flash_dkv", (*_TILE, "packed"), packs="dkv", short_query=True),
+           "flash_dkv", (*_TILE, "packed"), packs="dkv", short_query=True, mods=True),
 )}
 """Every op by name, the tiled path first."""
 

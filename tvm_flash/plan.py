@@ -1,7 +1,8 @@
 """Which kernels a call runs, in which order, on which workspaces: decided once per signature.
 
 A call's *signature* is what fixes the kernels it runs: device, dtype, head dim, causal mode,
-GQA group, sinks, short query or not, forward or backward. The first call of a signature
+GQA group, sinks, score modifiers (``tvm_flash.key.MODS``), packed sequences (varlen) or not,
+short query or not, forward or backward. The first call of a signature
 builds its :class:`Plan` — kernel keys made and validated, the target tag of the device
 looked up, the kernels loaded, the device's parallel units counted — and the plan is cached;
 every later call of that signature does a dictionary lookup, arithmetic on its shapes and the
@@ -76,28 +77,32 @@ def _partials(q, splits: int, *trailing):
 # ------------------------------------------------------------- the kernels of each call
 
 
-def _fields(target, head_dim, dtype, causal, group):
-    """Key fields of a tiled kernel, and of a row-wise one (no causal mode, no group)."""
-    tiled = {"head_dim": head_dim, "dtype": dtype, "causal": causal, "group": group,
-             "target": target}
-    return tiled, {**tiled, "causal": "none", "group": 1}
+def _fields(target, head_dim, dtype, causal, group, mods=(), varlen=False):
+    """Key fields of a tiled kernel (with its score modifiers ``mods``, names from
+    ``tvm_flash.key.MODS``, and ``varlen``), and of a row-wise one (no causal mode, no group,
+    no modifier; packed sequences are just rows to it)."""
+    row_wise = {"head_dim": head_dim, "dtype": dtype, "causal": "none", "group": 1,
+                "target": target}
+    tiled = {**row_wise, "causal": causal, "group": group, **dict.fromkeys(mods, True)}
+    return ({**tiled, "varlen": True} if varlen else tiled), row_wise
 
 
-def forward_keys(target, head_dim, dtype, causal, group, *, sinks: bool,
-                 short: bool) -> tuple[KernelKey, ...]:
-    """The forward's kernels in launch order (see :meth:`Plan.forward`)."""
-    tiled, row_wise = _fields(target, head_dim, dtype, causal, group)
+def forward_keys(target, head_dim, dtype, causal, group, *, sinks: bool, short: bool,
+                 mods=(), varlen: bool = False) -> tuple[KernelKey, ...]:
+    """The forward's kernels in launch order (see :meth:`Plan.forward`); packed sequences
+    (``varlen``) always take the tiled path."""
+    tiled, row_wise = _fields(target, head_dim, dtype, causal, group, mods, varlen)
     if short:  # per-split partial (O, max, sum), then their merge in split order (+ sinks)
         return (KernelKey("fwd_split", **tiled),
                 KernelKey("fwd_merge", **row_wise, sinks=sinks))
     return (KernelKey("fwd", **tiled, sinks=sinks),)
 
 
-def backward_keys(target, head_dim, dtype, causal, group, *,
-                  short: bool) -> tuple[KernelKey, ...]:
+def backward_keys(target, head_dim, dtype, causal, group, *, short: bool,
+                  mods=(), varlen: bool = False) -> tuple[KernelKey, ...]:
     """The backward's kernels in launch order (see :meth:`Plan.backward`). Sinks change no
     backward kernel (the forward's LSE includes them)."""
-    tiled, row_wise = _fields(target, head_dim, dtype, causal, group)
+    tiled, row_wise = _fields(target, head_dim, dtype, causal, group, mods, varlen)
     pre = KernelKey("bwd_pre", **row_wise)
     if short:
         return (pre, KernelKey("dq_split", **tiled), KernelKey("dq_merge", **row_wise),
@@ -105,13 +110,17 @@ def backward_keys(target, head_dim, dtype, causal, group, *,
     return pre, KernelKey("dq", **tiled), KernelKey("dkv", **tiled)
 
 
-def call_keys(target, head_dim, dtype, causal, group, *, sinks: bool = False) -> list[KernelKey]:
-    """Every kernel a call with these static facts may run: both paths (short and tiled),
-    forward and backward. What ``scripts/build.py`` builds."""
+def call_keys(target, head_dim, dtype, causal, group, *, sinks: bool = False,
+              mods=(), varlen: bool = False) -> list[KernelKey]:
+    """Every kernel a call with these static facts may run: both paths (short and tiled;
+    packed sequences only the tiled one), forward and backward. What ``scripts/build.py``
+    builds."""
     keys = []
-    for short in (False, True):
-        keys += forward_keys(target, head_dim, dtype, causal, group, sinks=sinks, short=short)
-        keys += backward_keys(target, head_dim, dtype, causal, group, short=short)
+    for short in ((False,) if varlen else (False, True)):
+        keys += forward_keys(target, head_dim, dtype, causal, group, sinks=sinks, short=short,
+                             mods=mods, varlen=varlen)
+        keys += backward_keys(target, head_dim, dtype, causal, group, short=short, mods=mods,
+                              varlen=varlen)
     return keys
 
 
@@ -130,9 +139,11 @@ class Plan:
     def ops(self) -> tuple[str, ...]:
         return tuple(key.op for key in self.keys)
 
-    def forward(self, q, k, v, sink_arg, out, lse, scale: float) -> None:
+    def forward(self, q, k, v, sink_arg, out, lse, scale: float, extra=()) -> None:
         """Fill ``out`` and ``lse``. Inputs in the kernels' layout, ``Lk > 0``; ``sink_arg``:
-        float32 ``(Hq,)``, ignored by kernels built without sinks."""
+        float32 ``(Hq,)``, ignored by kernels built without sinks; ``extra``: the tiled
+        kernels' trailing arguments (``tvm_flash.opspec``: ``MOD_ARGS`` where the plan has
+        score modifiers, then ``VARLEN_ARGS`` for packed sequences)."""
         if self.mps:
             torch.mps.synchronize()
         if self.short:
@@ -140,29 +151,31 @@ class Plan:
             splits = num_splits(q, k, PACKED_ROWS, self.units)
             o_part, m_part, l_part = (_partials(q, splits, q.shape[3]), _partials(q, splits),
                                       _partials(q, splits))
-            split(q, k, v, o_part, m_part, l_part, scale)
+            split(q, k, v, o_part, m_part, l_part, scale, *extra)
             merge(o_part, m_part, l_part, sink_arg, out, lse)
         else:
             (fwd,) = self.kernels
-            fwd(q, k, v, sink_arg, out, lse, scale)
+            fwd(q, k, v, sink_arg, out, lse, scale, *extra)
         if self.mps:
             _metal_sync()
 
-    def backward(self, do, q, k, v, out, lse, delta, dq, dk, dv, scale: float) -> None:
-        """Fill ``delta`` (rowsum(dO * O)), ``dq``, ``dk`` and ``dv``. Non-empty inputs."""
+    def backward(self, do, q, k, v, out, lse, delta, dq, dk, dv, scale: float,
+                 extra=()) -> None:
+        """Fill ``delta`` (rowsum(dO * O)), ``dq``, ``dk`` and ``dv``. Non-empty inputs;
+        ``extra`` as :meth:`forward`."""
         if self.mps:
             torch.mps.synchronize()
         if self.short:
             pre, dq_split, dq_merge, dkv = self.kernels
             pre(out, do, delta)
             dq_part = _partials(q, num_splits(q, k, PACKED_ROWS, self.units), q.shape[3])
-            dq_split(q, k, v, do, lse, delta, dq_part, scale)
+            dq_split(q, k, v, do, lse, delta, dq_part, scale, *extra)
             dq_merge(dq_part, dq, scale)
         else:
             pre, dq_tiled, dkv = self.kernels
             pre(out, do, delta)
-            dq_tiled(q, k, v, do, lse, delta, dq, scale)
-        dkv(q, k, v, do, lse, delta, dk, dv, scale)
+            dq_tiled(q, k, v, do, lse, delta, dq, scale, *extra)
+        dkv(q, k, v, do, lse, delta, dk, dv, scale, *extra)
         if self.mps:
             _metal_sync()
 
@@ -181,28 +194,33 @@ _lock = threading.Lock()
 
 
 def get(device: torch.device, dtype: torch.dtype, head_dim: int, causal: str, group: int,
-        sinks: bool, lq: int, backward: bool) -> Plan:
+        sinks: bool, lq: int, backward: bool, mods: tuple[str, ...] = (),
+        varlen: bool = False) -> Plan:
     """The plan of a call (made on the first call of its signature). Arguments must already
-    be validated (``tvm_flash.ops.check_inputs``)."""
+    be validated (``tvm_flash.ops.check_inputs``); ``mods``: the score modifiers applied
+    (names from ``tvm_flash.key.MODS``, in that order); ``varlen``: packed sequences (``lq``
+    then the longest one's queries; they take the tiled kernels whatever it is)."""
     # A plan holds loaded kernels: where they come from (use_artifacts / allow_jit) is part
     # of the signature, so switching the artifact directory or JIT never reuses a plan.
-    signature = (device, dtype, head_dim, causal, group, sinks and not backward, is_short(lq),
-                 backward, artifacts._state["dir"], artifacts._state["jit"])
+    signature = (device, dtype, head_dim, causal, group, sinks and not backward,
+                 is_short(lq) and not varlen, backward, mods, varlen, artifacts._state["dir"],
+                 artifacts._state["jit"])
     found = _plans.get(signature)
     return found if found is not None else _make(signature)
 
 
 def _make(signature: tuple) -> Plan:
-    device, dtype, head_dim, causal, group, sinks, short, backward = signature[:8]
+    device, dtype, head_dim, causal, group, sinks, short, backward, mods, varlen = signature[:10]
     with _lock:
         if signature in _plans:
             return _plans[signature]
         target = target_tag_for_device(device)
         if backward:
-            keys = backward_keys(target, head_dim, dtype, causal, group, short=short)
+            keys = backward_keys(target, head_dim, dtype, causal, group, short=short, mods=mods,
+                                 varlen=varlen)
         else:
             keys = forward_keys(target, head_dim, dtype, causal, group, sinks=sinks,
-                                short=short)
+                                short=short, mods=mods, varlen=varlen)
         found = Plan(keys, tuple(kernel(key) for key in keys), short, parallel_units(device),
                      device.type == "mps")
         _plans[signature] = found

@@ -8,7 +8,7 @@ calling the factory its :class:`~tvm_flash.opspec.OpSpec` names with the paramet
 
 from ..opspec import SPECS, OpSpec
 from .backward import flash_bwd_preprocess, flash_dkv, flash_dq, flash_dq_merge, flash_dq_split
-from .common import TileConfig
+from .common import Mods, TileConfig
 from .forward import flash_forward, flash_forward_merge, flash_forward_split
 
 _FUNCTIONS = {f.__name__: f for f in (flash_forward, flash_forward_split, flash_forward_merge,
@@ -22,7 +22,8 @@ def _factory(spec: OpSpec):
     def build(key, tile: TileConfig):
         given = {"head_dim": key.head_dim, "dtype": key.dtype, "causal": key.causal,
                  "group": key.group, "sinks": key.sinks, "tile": tile,
-                 "packed": spec.packs is not None}
+                 "packed": spec.packs is not None,
+                 "mods": Mods(key.window, key.softcap, key.alibi), "varlen": key.varlen}
         return func(**{name: given[name] for name in spec.factory_args})
 
     build.__name__ = build.__qualname__ = f"{spec.name}_factory"

@@ -31,24 +31,34 @@ from tvm.script import tirx as T
 
 from .common import (
     LOG2E,
+    NO_MODS,
     TILED,
+    ModArgs,
+    Mods,
     Rows,
     TileConfig,
     accumulate,
+    at,
     exp2_clamped,
+    first_key,
     first_query_tile,
     fresh,
     gemm,
     load_row_stats,
     load_tile,
+    modified_score,
     neg_inf,
     num_key_tiles,
     pin_scalars,
+    pin_sequence,
     plain,
+    query_tiles_end,
+    softcap_slope,
     split_size,
     store_tile,
     strides,
     transposed,
+    trim_params,
     visible,
 )
 
@@ -66,19 +76,31 @@ class _Macros:
         self.pin = fresh(pin_scalars)
 
 
-def _prob(causal, s, scale, lse, row, col, lq, lk, end=None):
+def _prob(causal, s, scale, lse, row, col, lq, lk, end=None, mods: Mods = NO_MODS, ma=None,
+          b=None, h=None):
     """Recomputed probability; 0 where masked or where the row saw no key (LSE = -inf).
+    ``mods``: the kernel's score modifiers (``ma`` their arguments, ``b``/``h`` the row's
+    batch and query head).
 
     ``s * scale - lse`` is formed in natural-log units first (one fused multiply-add on GPUs,
     rounded once at the size of the small result) and only then turned into base 2; scaling
     each of ``s`` and ``lse`` to base 2 first would round both at the size of the logits,
     which costs accuracy once logits reach ~1e4.
     """
+    score = (modified_score(s, scale, mods, ma, causal, b, h, row, col, lq, lk)
+             if mods.softcap or mods.alibi else s * scale)
     return T.if_then_else(
-        tirx.all(visible(causal, row, col, lq, lk, end), lse != neg_inf()),
-        exp2_clamped((s * scale - lse) * T.float32(LOG2E)),
+        tirx.all(visible(causal, row, col, lq, lk, end, mods, ma), lse != neg_inf()),
+        exp2_clamped((score - lse) * T.float32(LOG2E)),
         T.float32(0),
     )
+
+
+def _capped(ds, s, scale, mods: Mods, ma):
+    """dS of the scaled score from dS of the modified one: times the soft cap's slope
+    ``1 - tanh^2`` (ALiBi's bias and the window do not depend on the score)."""
+    slope = softcap_slope(s, scale, mods, ma)
+    return ds if slope is None else ds * slope
 
 
 def flash_bwd_preprocess(head_dim: int, dtype: str, tile: TileConfig):
@@ -109,15 +131,19 @@ def flash_bwd_preprocess(head_dim: int, dtype: str, tile: TileConfig):
     return flash_bwd_pre
 
 
-def _dq_tile(head_dim: int, dtype: str, causal: str, tile: TileConfig, rows: Rows):
-    """Macro: the unscaled dQ sum of one query tile over the keys ``[k_begin, k_end)``,
-    left in ``acc``."""
+def _dq_tile(head_dim: int, dtype: str, causal: str, tile: TileConfig, rows: Rows,
+             mods: Mods = NO_MODS):
+    """Macro: the unscaled dQ sum of one query tile over the keys ``[k_begin, k_end)``
+    (``k_begin`` from ``common.first_key``), left in ``acc``; ``ma``: the score modifiers'
+    arguments (``common.ModArgs``); ``q_off``, ``k_off``, ``sb`` as in the forward's
+    ``_attend`` (packed sequences)."""
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
     m = _Macros()
 
     @T.macro
-    def dq_tile(Q, K, V, dO, LSE, Delta, acc, vb, h, hk, r0, k_begin, k_end, Lq, Lk, scale):
+    def dq_tile(Q, K, V, dO, LSE, Delta, acc, vb, h, hk, r0, k_begin, k_end, Lq, Lk, scale, ma,
+                q_off, k_off, sb):
         Qs = T.sblock_alloc_buffer((BQ, D), dtype)
         dOs = T.sblock_alloc_buffer((BQ, D), dtype)
         Ks = T.sblock_alloc_buffer((BK, D), dtype)
@@ -129,41 +155,47 @@ def _dq_tile(head_dim: int, dtype: str, causal: str, tile: TileConfig, rows: Row
         dS = T.sblock_alloc_buffer((BQ, BK), dtype)
         dQp = T.sblock_alloc_buffer((BQ, D), f32)
 
-        m.load_q("Q_load", Qs, Q, vb, h, r0, Lq, BQ, D, dtype, rows)
-        m.load_do("dO_load", dOs, dO, vb, h, r0, Lq, BQ, D, dtype, rows)
-        m.load_rows("row_load", lse_s, delta_s, LSE, Delta, vb, h, r0, Lq, BQ, rows)
+        m.load_q("Q_load", Qs, Q, vb, h, at(q_off, r0), at(q_off, Lq), BQ, D, dtype, rows)
+        m.load_do("dO_load", dOs, dO, vb, h, at(q_off, r0), at(q_off, Lq), BQ, D, dtype, rows)
+        m.load_rows("row_load", lse_s, delta_s, LSE, Delta, vb, h, at(q_off, r0), at(q_off, Lq),
+                    BQ, rows)
         for i, d in T.grid(BQ, D):
             with T.sblock("acc_init"):
                 vi, vd = T.axis.remap("SS", [i, d])
                 acc[vi, vd] = T.float32(0)
 
-        steps = T.meta_var(num_key_tiles(causal, r0, BQ, Lq, Lk, BK, k_begin, k_end))
+        steps = T.meta_var(num_key_tiles(causal, r0, BQ, Lq, Lk, BK, k_begin, k_end, mods, ma))
         for kt in T.serial(steps):
             with T.sblock("key_step"):
                 # a step carries running sums to the next: an opaque iteration (TVM then keeps the
                 # tiles written here allocated across the loop; see common.STEP_NOTE)
                 vkt = T.axis.opaque(steps, kt)
                 k0 = T.meta_var(k_begin + vkt * BK)
-                m.load_k("K_load", Ks, K, vb, hk, k0, k_end, BK, D, dtype)
-                m.load_v("V_load", Vs, V, vb, hk, k0, k_end, BK, D, dtype)
+                m.load_k("K_load", Ks, K, vb, hk, at(k_off, k0), at(k_off, k_end), BK, D, dtype)
+                m.load_v("V_load", Vs, V, vb, hk, at(k_off, k0), at(k_off, k_end), BK, D, dtype)
                 m.gemm_1("S_gemm", S, Qs, Ks, BQ, BK, D, transposed)
                 m.gemm_2("dP_gemm", dP, dOs, Vs, BQ, BK, D, transposed)
                 for i, j in T.grid(BQ, BK):
                     with T.sblock("dS"):
                         vi, vj = T.axis.remap("SS", [i, j])
-                        dS[vi, vj] = T.cast(_prob(causal, S[vi, vj], scale, lse_s[vi],
-                                                  rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end)
-                                            * (dP[vi, vj] - delta_s[vi]), dtype)
+                        dS[vi, vj] = T.cast(_capped(
+                            _prob(causal, S[vi, vj], scale, lse_s[vi], rows.query(r0 + vi, Lq),
+                                  k0 + vj, Lq, Lk, k_end, mods, ma, sb,
+                                  rows.head(h, r0 + vi, Lq))
+                            * (dP[vi, vj] - delta_s[vi]), S[vi, vj], scale, mods, ma), dtype)
                 m.gemm_3("dQ_gemm", dQp, dS, Ks, BQ, D, BK, plain)
                 m.add_1("dQ_update", acc, dQp, BQ, D)
 
     return dq_tile
 
 
-def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
-    """Return ``flash_dq(q, k, v, do, lse, delta, dq, scale)``.
+def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
+             mods: Mods = NO_MODS, varlen: bool = False):
+    """Return ``flash_dq(q, k, v, do, lse, delta, dq, scale)`` (with ``mods`` also
+    ``tvm_flash.opspec.MOD_ARGS``, with ``varlen`` then ``VARLEN_ARGS``).
 
-    Shapes: q, do, dq ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; lse, delta ``(B, Hq, Lq)``.
+    Shapes: q, do, dq ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; lse, delta ``(B, Hq, Lq)``;
+    packed sequences (``varlen``) as in ``flash_forward``.
 
     Named blocks: ``tile``, ``Q_load``, ``dO_load``, ``row_load``, ``acc_init``, ``K_load``,
     ``V_load``, ``S_gemm``, ``dP_gemm``, ``dS`` (P and dS elementwise), ``dQ_gemm`` (dQp = dS K),
@@ -171,16 +203,19 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
     """
     D, BQ = head_dim, tile.block_q
     f32 = "float32"
-    dq_tile = _dq_tile(head_dim, dtype, causal, tile, TILED)
-    store, pin = fresh(store_tile), fresh(pin_scalars)
+    dq_tile = _dq_tile(head_dim, dtype, causal, tile, TILED, mods)
+    store, pin, pin_seq = fresh(store_tile), fresh(pin_scalars), fresh(pin_sequence)
 
     @T.prim_func(s_tir=True)
     def flash_dq(
         q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
-        delta_h: T.handle, dq_h: T.handle, scale: T.float32,
+        delta_h: T.handle, dq_h: T.handle, scale: T.float32, slopes_h: T.handle,
+        window_left: T.int64, window_right: T.int64, softcap: T.float32, cuq_h: T.handle,
+        cuk_h: T.handle, max_seqlen_q: T.int64, max_seqlen_k: T.int64,
     ):
         T.func_attr({"global_symbol": "flash_dq", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        NS1, NSL = T.int64(), T.int64()
         Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
         K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
         V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
@@ -188,25 +223,43 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
         dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype, strides=strides("dq"))
+        Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), f32)
+        CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
+        CuK = T.match_buffer(cuk_h, (NS1,), "int32")
 
-        for b, h, qt in T.grid(B, Hq, T.ceildiv(Lq, BQ)):
+        for b, h, qt in T.grid(NS1 - 1 if varlen else B, Hq,
+                               T.ceildiv(max_seqlen_q if varlen else Lq, BQ)):
             with T.sblock("tile"):
                 vb, vh, vt = T.axis.remap("SSS", [b, h, qt])
                 T.reads()
                 T.writes()
                 acc = T.sblock_alloc_buffer((BQ, D), f32)
+                if varlen:  # the sequence: its first q row, length, first k row, length
+                    sq = T.sblock_alloc_buffer((4,), "int64", scope="local")
+                    pin_seq("sequence", sq, CuQ, CuK, vb)
+                lq = T.meta_var(sq[1] if varlen else Lq)
+                lk = T.meta_var(sq[3] if varlen else Lk)
                 c = T.sblock_alloc_buffer((6,), "int64", scope="local")
-                pin("coords", c, vb, vh, vh // group, vt * BQ, T.int64(0), Lk)
-                dq_tile(Q, K, V, dO, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
-                        scale)
-                store("dQ_store", dQ, acc, c[0], c[1], c[3], Lq, BQ, D, scale, dtype)
+                pin("coords", c, T.int64(0) if varlen else vb, vh, vh // group, vt * BQ,
+                    first_key(causal, vt * BQ, lq, lk, tile.block_k, T.int64(0), mods,
+                              ModArgs(Slopes, window_left, window_right, softcap)),
+                    # a tile past its sequence's end walks no key
+                    T.if_then_else(vt * BQ < lq, lk, T.int64(0)) if varlen else Lk)
+                dq_tile(Q, K, V, dO, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], lq, lk,
+                        scale, ModArgs(Slopes, window_left, window_right, softcap),
+                        sq[0] if varlen else None, sq[2] if varlen else None,
+                        vb if varlen else c[0])
+                store("dQ_store", dQ, acc, c[0], c[1], at(sq[0] if varlen else None, c[3]),
+                      at(sq[0] if varlen else None, lq), BQ, D, scale, dtype)
 
-    return flash_dq
+    return trim_params(flash_dq, mods, varlen)
 
 
-def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
-    """Return ``flash_dq_split(q, k, v, do, lse, delta, dq_part, scale)``: short-query dQ,
-    one unscaled float32 partial sum per key split.
+def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
+                   mods: Mods = NO_MODS):
+    """Return ``flash_dq_split(q, k, v, do, lse, delta, dq_part, scale)`` (with ``mods`` also
+    ``tvm_flash.opspec.MOD_ARGS``): short-query dQ, one unscaled float32 partial sum per key
+    split.
 
     Shapes as :func:`flash_dq` but ``dq_part`` ``(NS * B, Hq, Lq, D)`` float32 (split ``s``
     of batch ``b`` is row ``s * B + b``; NS read off the buffer). Tiles pack the queries of
@@ -215,13 +268,14 @@ def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: Til
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
     rows = Rows(packed=True, group=group)
-    dq_tile = _dq_tile(head_dim, dtype, causal, tile, rows)
+    dq_tile = _dq_tile(head_dim, dtype, causal, tile, rows, mods)
     store, pin = fresh(store_tile), fresh(pin_scalars)
 
     @T.prim_func(s_tir=True)
     def flash_dq_split(
         q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
-        delta_h: T.handle, part_h: T.handle, scale: T.float32,
+        delta_h: T.handle, part_h: T.handle, scale: T.float32, slopes_h: T.handle,
+        window_left: T.int64, window_right: T.int64, softcap: T.float32,
     ):
         T.func_attr({"global_symbol": "flash_dq_split", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk, BS = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
@@ -232,6 +286,7 @@ def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: Til
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
         dQpart = T.match_buffer(part_h, (BS, Hq, Lq, D), f32)
+        Slopes = T.match_buffer(slopes_h, (B, Hq), f32)
 
         for b, hk, rt, s in T.grid(B, Hkv, T.ceildiv(group * Lq, BQ), BS // B):
             with T.sblock("tile"):
@@ -240,14 +295,18 @@ def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: Til
                 T.writes()
                 acc = T.sblock_alloc_buffer((BQ, D), f32)
                 c = T.sblock_alloc_buffer((6,), "int64", scope="local")
-                pin("coords", c, vb, vhk * group, vhk, vt * BQ, vs * split_size(Lk, BS // B, BK),
+                # packed rows: the tile's first query position is only known to be >= 0
+                pin("coords", c, vb, vhk * group, vhk, vt * BQ,
+                    first_key(causal, T.int64(0), Lq, Lk, BK, vs * split_size(Lk, BS // B, BK),
+                              mods, ModArgs(Slopes, window_left, window_right, softcap)),
                     T.min((vs + 1) * split_size(Lk, BS // B, BK), Lk))
                 dq_tile(Q, K, V, dO, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
-                        scale)
+                        scale, ModArgs(Slopes, window_left, window_right, softcap), None, None,
+                        c[0])
                 store("part_store", dQpart, acc, vs * B + c[0], c[1], c[3], Lq, BQ, D,
                       T.float32(1), f32, rows)
 
-    return flash_dq_split
+    return trim_params(flash_dq_split, mods)
 
 
 def flash_dq_merge(head_dim: int, dtype: str):
@@ -277,8 +336,11 @@ def flash_dq_merge(head_dim: int, dtype: str):
 
 
 def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
-              packed: bool = False):
-    """Return ``flash_dkv(q, k, v, do, lse, delta, dk, dv, scale)``.
+              packed: bool = False, mods: Mods = NO_MODS, varlen: bool = False):
+    """Return ``flash_dkv(q, k, v, do, lse, delta, dk, dv, scale)`` (with ``mods`` also
+    ``tvm_flash.opspec.MOD_ARGS``, with ``varlen`` then ``VARLEN_ARGS``: packed sequences as
+    in ``flash_forward``, the grid walking (sequence, key/value head, key tile up to
+    ``max_seqlen_k``)).
 
     ``packed``: query tiles pack the queries of all heads of the GQA group (the short-query
     path; see ``common.Rows``) instead of walking the heads one by one.
@@ -295,15 +357,19 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
     m = _Macros()
+    pin_seq = fresh(pin_sequence)
     rows = Rows(packed=packed, group=group)
 
     @T.prim_func(s_tir=True)
     def flash_dkv(
         q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
         delta_h: T.handle, dk_h: T.handle, dv_h: T.handle, scale: T.float32,
+        slopes_h: T.handle, window_left: T.int64, window_right: T.int64, softcap: T.float32,
+        cuq_h: T.handle, cuk_h: T.handle, max_seqlen_q: T.int64, max_seqlen_k: T.int64,
     ):
         T.func_attr({"global_symbol": "flash_dkv", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        NS1, NSL = T.int64(), T.int64()
         Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
         K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
         V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
@@ -312,8 +378,12 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
         dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype, strides=strides("dk"))
         dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype, strides=strides("dv"))
+        Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), f32)
+        CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
+        CuK = T.match_buffer(cuk_h, (NS1,), "int32")
 
-        for b, hk, kt in T.grid(B, Hkv, T.ceildiv(Lk, BK)):
+        for b, hk, kt in T.grid(NS1 - 1 if varlen else B, Hkv,
+                                T.ceildiv(max_seqlen_k if varlen else Lk, BK)):
             with T.sblock("tile"):
                 vb, vhk, vt = T.axis.remap("SSS", [b, hk, kt])
                 T.reads()
@@ -332,20 +402,39 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                 dKp = T.sblock_alloc_buffer((BK, D), f32)
                 dk_acc = T.sblock_alloc_buffer((BK, D), f32)
                 dv_acc = T.sblock_alloc_buffer((BK, D), f32)
-                # c: batch, kv head, first key, first query tile that sees it
+                if varlen:  # the sequence: its first q row, length, first k row, length
+                    sq = T.sblock_alloc_buffer((4,), "int64", scope="local")
+                    pin_seq("sequence", sq, CuQ, CuK, vb)
+                lq = T.meta_var(sq[1] if varlen else Lq)
+                lk = T.meta_var(sq[3] if varlen else Lk)
+                q_off = T.meta_var(sq[0] if varlen else None)
+                k_off = T.meta_var(sq[2] if varlen else None)
+                # c: batch, kv head, first key, first query tile that sees it (and, under a
+                # window or for packed sequences, one past the last: none past the sequence)
                 c = T.sblock_alloc_buffer((6,), "int64", scope="local")
-                m.pin("coords", c, vb, vhk, vt * BK,
-                      first_query_tile(causal, vt * BK, Lq, Lk, BQ, rows), T.int64(0), T.int64(0))
+                m.pin("coords", c, T.int64(0) if varlen else vb, vhk, vt * BK,
+                      first_query_tile(causal, vt * BK, lq, lk, BQ, rows, mods,
+                                       ModArgs(Slopes, window_left, window_right, softcap)),
+                      T.if_then_else(vt * BK < lk, query_tiles_end(
+                          lq, lk, BQ, BK, vt * BK, causal, rows, mods,
+                          ModArgs(Slopes, window_left, window_right, softcap)), T.int64(0))
+                      if varlen else query_tiles_end(
+                          Lq, Lk, BQ, BK, vt * BK, causal, rows, mods,
+                          ModArgs(Slopes, window_left, window_right, softcap))
+                      if mods.window else T.int64(0), T.int64(0))
 
-                m.load_k("K_load", Ks, K, c[0], c[1], c[2], Lk, BK, D, dtype)
-                m.load_v("V_load", Vs, V, c[0], c[1], c[2], Lk, BK, D, dtype)
+                m.load_k("K_load", Ks, K, c[0], c[1], at(k_off, c[2]), at(k_off, lk), BK, D,
+                         dtype)
+                m.load_v("V_load", Vs, V, c[0], c[1], at(k_off, c[2]), at(k_off, lk), BK, D,
+                         dtype)
                 for j, d in T.grid(BK, D):
                     with T.sblock("acc_init"):
                         vj, vd = T.axis.remap("SS", [j, d])
                         dk_acc[vj, vd] = T.float32(0)
                         dv_acc[vj, vd] = T.float32(0)
 
-                q_tiles = T.meta_var(T.ceildiv(rows.count(Lq), BQ) - c[3])
+                q_tiles = T.meta_var(T.max(c[4] - c[3], T.int64(0)) if varlen else (
+                    c[4] if mods.window else T.ceildiv(rows.count(Lq), BQ)) - c[3])
                 for g, qt in T.grid(rows.heads_per_tile_loop(group), q_tiles):
                     with T.sblock("query_step"):
                         # a step carries running sums to the next: an opaque iteration (TVM then keeps the
@@ -354,30 +443,40 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                         vqt = T.axis.opaque(q_tiles, qt)
                         hq = T.meta_var(c[1] * group + vg)
                         q0 = T.meta_var((c[3] + vqt) * BQ)
-                        m.load_q("Q_load", Qs, Q, c[0], hq, q0, Lq, BQ, D, dtype, rows)
-                        m.load_do("dO_load", dOs, dO, c[0], hq, q0, Lq, BQ, D, dtype, rows)
-                        m.load_rows("row_load", lse_s, delta_s, LSE, Delta, c[0], hq, q0, Lq, BQ,
-                                    rows)
+                        m.load_q("Q_load", Qs, Q, c[0], hq, at(q_off, q0), at(q_off, lq), BQ, D,
+                                 dtype, rows)
+                        m.load_do("dO_load", dOs, dO, c[0], hq, at(q_off, q0), at(q_off, lq), BQ,
+                                  D, dtype, rows)
+                        m.load_rows("row_load", lse_s, delta_s, LSE, Delta, c[0], hq,
+                                    at(q_off, q0), at(q_off, lq), BQ, rows)
                         m.gemm_1("St_gemm", St, Ks, Qs, BK, BQ, D, transposed)
                         for j, i in T.grid(BK, BQ):
                             with T.sblock("P"):
                                 vj, vi = T.axis.remap("SS", [j, i])
                                 Pt[vj, vi] = T.cast(_prob(causal, St[vj, vi], scale, lse_s[vi],
-                                                          rows.query(q0 + vi, Lq), c[2] + vj, Lq,
-                                                          Lk), dtype)
+                                                          rows.query(q0 + vi, lq), c[2] + vj, lq,
+                                                          lk, None, mods,
+                                                          ModArgs(Slopes, window_left,
+                                                                  window_right, softcap),
+                                                          vb if varlen else c[0],
+                                                          rows.head(hq, q0 + vi, lq)),
+                                                    dtype)
                         m.gemm_3("dV_gemm", dVp, Pt, dOs, BK, D, BQ, plain)
                         m.add_1("dV_update", dv_acc, dVp, BK, D)
                         m.gemm_2("dPt_gemm", dPt, Vs, dOs, BK, BQ, D, transposed)
                         for j, i in T.grid(BK, BQ):
                             with T.sblock("dS"):
                                 vj, vi = T.axis.remap("SS", [j, i])
-                                dSt[vj, vi] = T.cast(T.cast(Pt[vj, vi], f32)
-                                                     * (dPt[vj, vi] - delta_s[vi]), dtype)
+                                dSt[vj, vi] = T.cast(_capped(
+                                    T.cast(Pt[vj, vi], f32) * (dPt[vj, vi] - delta_s[vi]),
+                                    St[vj, vi], scale, mods,
+                                    ModArgs(Slopes, window_left, window_right, softcap)), dtype)
                         m.gemm_4("dK_gemm", dKp, dSt, Qs, BK, D, BQ, plain)
                         m.add_2("dK_update", dk_acc, dKp, BK, D)
 
-                m.store_1("dK_store", dK, dk_acc, c[0], c[1], c[2], Lk, BK, D, scale, dtype)
-                m.store_2("dV_store", dV, dv_acc, c[0], c[1], c[2], Lk, BK, D, T.float32(1),
-                          dtype)
+                m.store_1("dK_store", dK, dk_acc, c[0], c[1], at(k_off, c[2]), at(k_off, lk), BK,
+                          D, scale, dtype)
+                m.store_2("dV_store", dV, dv_acc, c[0], c[1], at(k_off, c[2]), at(k_off, lk), BK,
+                          D, T.float32(1), dtype)
 
-    return flash_dkv
+    return trim_params(flash_dkv, mods, varlen)

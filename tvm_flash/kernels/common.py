@@ -19,6 +19,8 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..opspec import MOD_ARGS, VARLEN_ARGS
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
@@ -123,36 +125,153 @@ def causal_offset(causal: str, lq, lk):
     return tirx.const(0, "int64")
 
 
-def visible(causal: str, row, col, lq, lk, end=None):
+# --------------------------------------------------------------------------- score modifiers
+
+
+@dataclasses.dataclass(frozen=True)
+class Mods:
+    """The score modifiers a kernel is built with (``tvm_flash.key.MODS``: sliding window,
+    soft cap, ALiBi). Their values are kernel arguments (:class:`ModArgs`); a kernel built
+    with none has exactly the code it had before they existed."""
+
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
+
+    def __bool__(self) -> bool:
+        return self.window or self.softcap or self.alibi
+
+
+NO_MODS = Mods()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModArgs:
+    """Inside a kernel: its score modifiers' arguments (``tvm_flash.opspec.MOD_ARGS``).
+    ``slopes``: the ``(B, Hq)`` ALiBi buffer; ``left``/``right``: the window's extents
+    (int64; ``Lq + Lk`` or more is unbounded); ``cap``: the soft cap."""
+
+    slopes: object
+    left: object
+    right: object
+    cap: object
+
+
+def diagonal(causal: str, lq, lk):
+    """Where query i sits among the keys for the window and ALiBi: at ``i + diagonal``, 0 under
+    a top-left causal mask, ``Lk - Lq`` otherwise (flash-attn's bottom-right alignment, also
+    without a mask)."""
+    if causal == "top-left":
+        return tirx.const(0, "int64")
+    return lk - lq
+
+
+def visible(causal: str, row, col, lq, lk, end=None, mods: Mods = NO_MODS, ma=None):
     """Whether key ``col`` is visible to query ``row`` (both absolute positions); ``end``:
-    keys from there on belong to another split."""
-    in_range = col < (lk if end is None else end)
-    if causal == "none":
-        return in_range
-    return tirx.all(in_range, col <= row + causal_offset(causal, lq, lk))
+    keys from there on belong to another split; ``mods.window``: only keys within ``ma``'s
+    window of the query's diagonal."""
+    conds = [col < (lk if end is None else end)]
+    if causal != "none":
+        conds.append(col <= row + causal_offset(causal, lq, lk))
+    if mods.window:
+        centre = row + diagonal(causal, lq, lk)
+        conds += [centre - ma.left <= col, col <= centre + ma.right]
+    return conds[0] if len(conds) == 1 else tirx.all(*conds)
 
 
-def num_key_tiles(causal: str, r0, block_q: int, lq, lk, block_k: int, begin, end):
+def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk):
+    """The scaled score ``s * scale`` (natural-log units) with ``mods``' soft cap and ALiBi
+    bias (:data:`tvm_flash.key.MODS`); ``h``: the query head (its slope)."""
+    t = s * scale
+    if mods.softcap:
+        t = T.tanh(s * (scale / ma.cap)) * ma.cap
+    if mods.alibi:
+        distance = T.cast(row + diagonal(causal, lq, lk) - col, "float32")
+        t = t - ma.slopes[b, h] * T.fabs(distance)
+    return t
+
+
+def softcap_slope(s, scale, mods: Mods, ma):
+    """d(capped score) / d(scaled score) = ``1 - tanh^2``: what the backward multiplies dS by
+    under a soft cap (1 without one, returned as None)."""
+    if not mods.softcap:
+        return None
+    t = T.tanh(s * (scale / ma.cap))
+    return T.float32(1) - t * t
+
+
+def first_key(causal: str, q_first, lq, lk, block_k: int, begin, mods: Mods = NO_MODS,
+              ma=None):
+    """Where a query tile's key walk over ``[begin, ...)`` starts: ``begin``, or under a
+    window the key tile (counted from ``begin``) that holds the first key the tile's first
+    query ``q_first`` sees."""
+    if not mods.window:
+        return begin
+    lo = q_first + diagonal(causal, lq, lk) - ma.left
+    return begin + T.max(lo - begin, 0) // block_k * block_k
+
+
+def num_key_tiles(causal: str, r0, block_q: int, lq, lk, block_k: int, begin, end,
+                  mods: Mods = NO_MODS, ma=None):
     """Key tiles of ``[begin, end)`` that hold at least one key visible to a query tile whose
-    rows start at ``r0``.
+    rows start at ``r0`` (``begin`` from :func:`first_key` under a window).
 
-    Tiles past the causal diagonal are skipped entirely, not masked. The tile's last query is
-    at most ``min(r0 + block_q, lq) - 1``; that bound also holds for packed rows (row ``r`` is
-    query ``r % lq <= r``).
+    Tiles past the causal diagonal (or the window's right edge) are skipped entirely, not
+    masked. The tile's last query is at most ``min(r0 + block_q, lq) - 1``; that bound also
+    holds for packed rows (row ``r`` is query ``r % lq <= r``).
     """
     stop = lk
+    q_last = T.min(r0 + block_q, lq) - 1
     if causal != "none":
-        q_last = T.min(r0 + block_q, lq) - 1
         stop = T.min(lk, T.max(q_last + causal_offset(causal, lq, lk) + 1, 0))
+    if mods.window:
+        stop = T.min(stop, T.max(q_last + diagonal(causal, lq, lk) + ma.right + 1, 0))
     return T.ceildiv(T.max(T.min(end, stop) - begin, 0), block_k)
 
 
-def first_query_tile(causal: str, k0, lq, lk, block_q: int, rows: Rows = TILED):
+def first_query_tile(causal: str, k0, lq, lk, block_q: int, rows: Rows = TILED,
+                     mods: Mods = NO_MODS, ma=None):
     """First query tile that sees any key of a key tile starting at ``k0`` (packed rows: 0,
     their positions are not ordered)."""
-    if causal == "none" or rows.packed:
+    if rows.packed or (causal == "none" and not mods.window):
         return tirx.const(0, "int64")
-    return T.min(T.max(k0 - causal_offset(causal, lq, lk), 0), lq) // block_q
+    first = None
+    if causal != "none":
+        first = k0 - causal_offset(causal, lq, lk)
+    if mods.window:
+        after = k0 - diagonal(causal, lq, lk) - ma.right
+        first = after if first is None else T.max(first, after)
+    return T.min(T.max(first, 0), lq) // block_q
+
+
+def query_tiles_end(lq, lk, block_q: int, block_k: int, k0, causal: str, rows: Rows = TILED,
+                    mods: Mods = NO_MODS, ma=None):
+    """One past the last query tile that sees a key of the key tile starting at ``k0``: all
+    of them but under a window, whose left edge leaves out the later queries (packed rows:
+    all)."""
+    end = rows.count(lq)
+    if mods.window and not rows.packed:
+        last = k0 + block_k - 1 - diagonal(causal, lq, lk) + ma.left
+        end = T.min(end, T.max(last + 1, 0))
+    return T.ceildiv(end, block_q)
+
+
+def trim_params(func, mods: Mods, varlen: bool = False):
+    """A kernel written with every optional parameter (its own, then
+    :data:`tvm_flash.opspec.MOD_ARGS`, then ``VARLEN_ARGS``), without those of the features
+    it is not built with (which its body then never uses): a kernel keeps the calling
+    convention, and the code, it had before those features existed."""
+    drop = (() if mods else MOD_ARGS) + (() if varlen else VARLEN_ARGS)
+    if not drop:
+        return func
+    keep = [p for p in func.params if p.name not in drop]
+    return tirx.PrimFunc(keep, func.body, func.ret_type, func.attrs)
+
+
+def at(off, row):
+    """Row ``row`` of a sequence whose rows start at ``off`` in its buffer: ``off + row``; a
+    dense kernel (``off`` None) indexes its rows as they are."""
+    return row if off is None else off + row
 
 
 # ------------------------------------------------------------------------------- macros
@@ -183,6 +302,19 @@ def pin_scalars(name, buf, v0, v1, v2, v3, v4, v5):
         buf[3] = v3
         buf[4] = v4
         buf[5] = v5
+
+
+def pin_sequence(name, buf, cu_q, cu_k, s):
+    """``buf[0:4]``: sequence ``s``'s first query row, query length, first key row and key
+    length in packed buffers (flash-attn's ``cu_seqlens``, int32), as int64 computed once per
+    block (see :func:`pin_scalars`)."""
+    with T.sblock(name):
+        T.reads(cu_q[s:s + 2], cu_k[s:s + 2])
+        T.writes(buf[0:4])
+        buf[0] = T.cast(cu_q[s], "int64")
+        buf[1] = T.cast(cu_q[s + 1] - cu_q[s], "int64")
+        buf[2] = T.cast(cu_k[s], "int64")
+        buf[3] = T.cast(cu_k[s + 1] - cu_k[s], "int64")
 
 
 def load_tile(name, dst, src, b, h, start, length, rows, cols, dtype, lay=TILED):

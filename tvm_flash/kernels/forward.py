@@ -27,41 +27,62 @@ from tvm.script import tirx as T
 
 from .common import (
     LOG2E,
+    NO_MODS,
     TILED,
+    ModArgs,
+    Mods,
     Rows,
     TileConfig,
     accumulate,
+    at,
     exp2_clamped,
+    first_key,
     fresh,
     gemm,
     load_tile,
+    modified_score,
     neg_inf,
     num_key_tiles,
     pin_scalars,
+    pin_sequence,
     plain,
     row_lse,
     split_size,
     store_tile,
     strides,
     transposed,
+    trim_params,
     visible,
 )
 
 
 def _attend(head_dim: int, dtype: str, causal: str, tile: TileConfig, sinks: bool,
-            rows: Rows):
-    """Macro: one query tile's online softmax over the keys ``[k_begin, k_end)``.
+            rows: Rows, mods: Mods = NO_MODS):
+    """Macro: one query tile's online softmax over the keys ``[k_begin, k_end)``
+    (``k_begin`` from ``common.first_key``).
 
     Leaves the unnormalised output in ``acc`` and the running max ``m`` (base 2) and sum
-    ``lsum`` per row; ``h``/``r0`` locate the tile's rows (see :class:`Rows`).
+    ``lsum`` per row; ``h``/``r0`` locate the tile's rows (see :class:`Rows`); ``ma``: the
+    score modifiers' arguments (``common.ModArgs``; unused without ``mods``). Positions (rows,
+    keys, ``Lq``, ``Lk``) count within one sequence; ``q_off``/``k_off``: where its rows start
+    in the buffers (None: dense, batch ``vb``); ``sb``: its index among the sequences (ALiBi's
+    slope row).
     """
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
     load_q, load_k, load_v = fresh(load_tile), fresh(load_tile), fresh(load_tile)
     s_gemm, o_gemm, o_update = fresh(gemm), fresh(gemm), fresh(accumulate)
 
+    def score2(S, scale, scale2, vb, h, row, col, Lq, Lk, ma):
+        """A score in base-2 units, modified where the kernel has soft cap or ALiBi."""
+        if mods.softcap or mods.alibi:
+            return modified_score(S, scale, mods, ma, causal, vb, h, row, col, Lq,
+                                  Lk) * T.float32(LOG2E)
+        return S * scale2
+
     @T.macro
-    def attend(Q, K, V, Sinks, acc, m, lsum, vb, h, hk, r0, k_begin, k_end, Lq, Lk, scale):
+    def attend(Q, K, V, Sinks, acc, m, lsum, vb, h, hk, r0, k_begin, k_end, Lq, Lk, scale, ma,
+               q_off, k_off, sb):
         Qs = T.sblock_alloc_buffer((BQ, D), dtype)
         Ks = T.sblock_alloc_buffer((BK, D), dtype)
         Vs = T.sblock_alloc_buffer((BK, D), dtype)
@@ -73,7 +94,7 @@ def _attend(head_dim: int, dtype: str, causal: str, tile: TileConfig, sinks: boo
         alpha = T.sblock_alloc_buffer((BQ,), f32)
         scale2: T.let[T.float32] = scale * T.float32(LOG2E)
 
-        load_q("Q_load", Qs, Q, vb, h, r0, Lq, BQ, D, dtype, rows)
+        load_q("Q_load", Qs, Q, vb, h, at(q_off, r0), at(q_off, Lq), BQ, D, dtype, rows)
         for i, d in T.grid(BQ, D):
             with T.sblock("acc_init"):
                 vi, vd = T.axis.remap("SS", [i, d])
@@ -88,15 +109,15 @@ def _attend(head_dim: int, dtype: str, causal: str, tile: TileConfig, sinks: boo
                     m[vi] = neg_inf()
                     lsum[vi] = T.float32(0)
 
-        steps = T.meta_var(num_key_tiles(causal, r0, BQ, Lq, Lk, BK, k_begin, k_end))
+        steps = T.meta_var(num_key_tiles(causal, r0, BQ, Lq, Lk, BK, k_begin, k_end, mods, ma))
         for kt in T.serial(steps):
             with T.sblock("key_step"):
                 # a step carries running sums to the next: an opaque iteration (TVM then keeps the
                 # tiles written here allocated across the loop; see common.STEP_NOTE)
                 vkt = T.axis.opaque(steps, kt)
                 k0 = T.meta_var(k_begin + vkt * BK)
-                load_k("K_load", Ks, K, vb, hk, k0, k_end, BK, D, dtype)
-                load_v("V_load", Vs, V, vb, hk, k0, k_end, BK, D, dtype)
+                load_k("K_load", Ks, K, vb, hk, at(k_off, k0), at(k_off, k_end), BK, D, dtype)
+                load_v("V_load", Vs, V, vb, hk, at(k_off, k0), at(k_off, k_end), BK, D, dtype)
                 s_gemm("S_gemm", S, Qs, Ks, BQ, BK, D, transposed)
                 for i, j in T.grid(BQ, BK):
                     with T.sblock("row_max"):
@@ -104,14 +125,21 @@ def _attend(head_dim: int, dtype: str, causal: str, tile: TileConfig, sinks: boo
                         with T.init():
                             m_new[vi] = m[vi]
                         m_new[vi] = T.max(m_new[vi], T.if_then_else(
-                            visible(causal, rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end),
-                            S[vi, vj] * scale2, neg_inf()))
+                            visible(causal, rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end,
+                                    mods, ma),
+                            score2(S[vi, vj], scale, scale2, sb, rows.head(h, r0 + vi, Lq),
+                                   rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, ma),
+                            neg_inf()))
                 for i, j in T.grid(BQ, BK):
                     with T.sblock("P"):
                         vi, vj = T.axis.remap("SS", [i, j])
                         P[vi, vj] = T.cast(T.if_then_else(
-                            visible(causal, rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end),
-                            exp2_clamped(S[vi, vj] * scale2 - m_new[vi]),
+                            visible(causal, rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, k_end,
+                                    mods, ma),
+                            exp2_clamped(score2(S[vi, vj], scale, scale2, sb,
+                                                rows.head(h, r0 + vi, Lq),
+                                                rows.query(r0 + vi, Lq), k0 + vj, Lq, Lk, ma)
+                                         - m_new[vi]),
                             T.float32(0),
                         ), dtype)
                 for i in T.serial(BQ):
@@ -152,8 +180,10 @@ def _normalised(acc, lsum):
 
 
 def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
-                  sinks: bool = False):
-    """Return the forward PrimFunc ``flash_fwd(q, k, v, sinks, o, lse, scale)``.
+                  sinks: bool = False, mods: Mods = NO_MODS, varlen: bool = False):
+    """Return the forward PrimFunc ``flash_fwd(q, k, v, sinks, o, lse, scale)`` (with
+    ``mods``: ``flash_fwd(q, k, v, sinks, o, lse, scale, slopes, window_left, window_right,
+    softcap)``, ``tvm_flash.opspec.MOD_ARGS``; with ``varlen`` then ``VARLEN_ARGS``).
 
     Shapes: q, o ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; lse ``(B, Hq, Lq)`` float32,
     with ``Hq = group * Hkv``; B, Hq, Hkv, Lq, Lk symbolic. ``sinks`` ``(Hq,)`` float32 holds
@@ -163,27 +193,40 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
 
     With sinks the online softmax simply starts from the sink: ``m = sink * log2(e)``,
     ``l = 1``. The LSE then includes the sink, so the backward kernels need no change.
+
+    ``varlen``: packed sequences. B is 1, Lq and Lk count every sequence's rows, and sequence
+    ``s`` owns rows ``[cu_q[s], cu_q[s + 1])`` of q, o, lse and ``[cu_k[s], cu_k[s + 1])`` of
+    k, v; the grid walks (sequence, head, query tile up to ``max_seqlen_q``), a tile past its
+    sequence's end walks no key, and every mask counts positions within the sequence. Slopes
+    are then ``(NS, Hq)``.
     """
     D, BQ = head_dim, tile.block_q
     f32 = "float32"
-    attend = _attend(head_dim, dtype, causal, tile, sinks, TILED)
-    pin = fresh(pin_scalars)
+    attend = _attend(head_dim, dtype, causal, tile, sinks, TILED, mods)
+    pin, pin_seq = fresh(pin_scalars), fresh(pin_sequence)
 
     @T.prim_func(s_tir=True)
     def flash_fwd(
         q_h: T.handle, k_h: T.handle, v_h: T.handle, sinks_h: T.handle, o_h: T.handle,
-        lse_h: T.handle, scale: T.float32,
+        lse_h: T.handle, scale: T.float32, slopes_h: T.handle, window_left: T.int64,
+        window_right: T.int64, softcap: T.float32, cuq_h: T.handle, cuk_h: T.handle,
+        max_seqlen_q: T.int64, max_seqlen_k: T.int64,
     ):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        NS1, NSL = T.int64(), T.int64()
         Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
         K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
         V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
         O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype, strides=strides("o"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
         Sinks = T.match_buffer(sinks_h, (Hq,), f32)
+        Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), f32)
+        CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
+        CuK = T.match_buffer(cuk_h, (NS1,), "int32")
 
-        for b, h, qt in T.grid(B, Hq, T.ceildiv(Lq, BQ)):
+        for b, h, qt in T.grid(NS1 - 1 if varlen else B, Hq,
+                               T.ceildiv(max_seqlen_q if varlen else Lq, BQ)):
             with T.sblock("tile"):
                 vb, vh, vt = T.axis.remap("SSS", [b, h, qt])
                 T.reads()
@@ -191,29 +234,43 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
                 acc = T.sblock_alloc_buffer((BQ, D), f32)
                 m = T.sblock_alloc_buffer((BQ,), f32)
                 lsum = T.sblock_alloc_buffer((BQ,), f32)
+                if varlen:  # the sequence: its first q row, length, first k row, length
+                    sq = T.sblock_alloc_buffer((4,), "int64", scope="local")
+                    pin_seq("sequence", sq, CuQ, CuK, vb)
+                lq = T.meta_var(sq[1] if varlen else Lq)
+                lk = T.meta_var(sq[3] if varlen else Lk)
                 c = T.sblock_alloc_buffer((6,), "int64", scope="local")
-                pin("coords", c, vb, vh, vh // group, vt * BQ, T.int64(0), Lk)
-                attend(Q, K, V, Sinks, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
-                       scale)
+                pin("coords", c, T.int64(0) if varlen else vb, vh, vh // group, vt * BQ,
+                    first_key(causal, vt * BQ, lq, lk, tile.block_k, T.int64(0), mods,
+                              ModArgs(Slopes, window_left, window_right, softcap)),
+                    # a tile past its sequence's end walks no key
+                    T.if_then_else(vt * BQ < lq, lk, T.int64(0)) if varlen else Lk)
+                attend(Q, K, V, Sinks, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], lq, lk,
+                       scale, ModArgs(Slopes, window_left, window_right, softcap),
+                       sq[0] if varlen else None, sq[2] if varlen else None,
+                       vb if varlen else c[0])
 
                 for i, d in T.grid(BQ, D):
                     with T.sblock("O_store"):
                         vi, vd = T.axis.remap("SS", [i, d])
-                        if c[3] + vi < Lq:
-                            O[c[0], c[1], c[3] + vi, vd] = T.cast(
+                        if c[3] + vi < lq:
+                            O[c[0], c[1], at(sq[0] if varlen else None, c[3] + vi), vd] = T.cast(
                                 _normalised(acc[vi, vd], lsum[vi]), dtype)
                 for i in T.serial(BQ):
                     with T.sblock("lse_store"):
                         vi = T.axis.remap("S", [i])
-                        if c[3] + vi < Lq:
-                            LSE[c[0], c[1], c[3] + vi] = row_lse(m[vi], lsum[vi])
+                        if c[3] + vi < lq:
+                            LSE[c[0], c[1], at(sq[0] if varlen else None, c[3] + vi)] = row_lse(
+                                m[vi], lsum[vi])
 
-    return flash_fwd
+    return trim_params(flash_fwd, mods, varlen)
 
 
-def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig):
-    """Return ``flash_fwd_split(q, k, v, o_part, m_part, l_part, scale)``: the short-query
-    forward's partial results, one per key split.
+def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
+                        mods: Mods = NO_MODS):
+    """Return ``flash_fwd_split(q, k, v, o_part, m_part, l_part, scale)`` (with ``mods`` also
+    ``tvm_flash.opspec.MOD_ARGS``): the short-query forward's partial results, one per key
+    split.
 
     Shapes: q ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; o_part ``(NS * B, Hq, Lq, D)``,
     m_part and l_part ``(NS * B, Hq, Lq)``, all float32, where NS (the number of key splits)
@@ -225,14 +282,15 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
     f32 = "float32"
     rows = Rows(packed=True, group=group)
-    attend = _attend(head_dim, dtype, causal, tile, False, rows)
+    attend = _attend(head_dim, dtype, causal, tile, False, rows, mods)
     store_o = fresh(store_tile)
     pin = fresh(pin_scalars)
 
     @T.prim_func(s_tir=True)
     def flash_fwd_split(
         q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, m_h: T.handle,
-        l_h: T.handle, scale: T.float32,
+        l_h: T.handle, scale: T.float32, slopes_h: T.handle, window_left: T.int64,
+        window_right: T.int64, softcap: T.float32,
     ):
         T.func_attr({"global_symbol": "flash_fwd_split", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk, BS = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
@@ -242,6 +300,7 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
         Opart = T.match_buffer(o_h, (BS, Hq, Lq, D), f32)
         Mpart = T.match_buffer(m_h, (BS, Hq, Lq), f32)
         Lpart = T.match_buffer(l_h, (BS, Hq, Lq), f32)
+        Slopes = T.match_buffer(slopes_h, (B, Hq), f32)
 
         for b, hk, rt, s in T.grid(B, Hkv, T.ceildiv(group * Lq, BQ), BS // B):
             with T.sblock("tile"):
@@ -253,11 +312,14 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
                 lsum = T.sblock_alloc_buffer((BQ,), f32)
                 # c: batch, first head, kv head, first row, keys [begin, end)
                 c = T.sblock_alloc_buffer((6,), "int64", scope="local")
+                # packed rows: the tile's first query position is only known to be >= 0
                 pin("coords", c, vb, vhk * group, vhk, vt * BQ,
-                    vs * split_size(Lk, BS // B, BK),
+                    first_key(causal, T.int64(0), Lq, Lk, BK, vs * split_size(Lk, BS // B, BK),
+                              mods, ModArgs(Slopes, window_left, window_right, softcap)),
                     T.min((vs + 1) * split_size(Lk, BS // B, BK), Lk))
                 attend(Q, K, V, Q, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
-                       scale)
+                       scale, ModArgs(Slopes, window_left, window_right, softcap), None, None,
+                       c[0])
                 store_o("part_store", Opart, acc, vs * B + c[0], c[1], c[3], Lq, BQ, D,
                         T.float32(1), f32, rows)
                 for i in T.serial(BQ):
@@ -269,7 +331,7 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
                             Lpart[vs * B + c[0], rows.head(c[1], c[3] + vi, Lq),
                                   rows.query(c[3] + vi, Lq)] = lsum[vi]
 
-    return flash_fwd_split
+    return trim_params(flash_fwd_split, mods)
 
 
 def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):

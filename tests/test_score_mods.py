@@ -1,0 +1,151 @@
+"""Score modifiers — sliding window, soft cap, ALiBi — against the float64 reference.
+
+Each alone and combined (with sinks, GQA, every causal mode), odd lengths on both paths (the
+short-query one for Lq <= 12), windows that leave rows without keys; then the errors a bad
+argument gets. On CUDA only float32 applies them so far: float16/bfloat16 are refused by
+name (``tvm_flash.ops.check_mods``).
+"""
+
+import pytest
+import torch
+from checks import check_against_reference, make_inputs
+from conftest import DEVICES
+
+from tvm_flash import attention
+from tvm_flash.key import KernelKey
+
+CAUSAL = ["none", "top-left", "bottom-right"]
+
+
+def _runs(device, dtype) -> bool:
+    """Whether this device applies modifiers to this dtype; on CUDA fp16/bf16 check the
+    refusal instead."""
+    if device == "cuda" and dtype != torch.float32:
+        q, k, v, _ = make_inputs(1, 2, 2, 8, 8, 64, dtype, device)
+        with pytest.raises(NotImplementedError, match="^window_size: "):
+            attention(q, k, v, window_size=(4, 0))
+        return False
+    return True
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lq,lk", [(97, 97), (7, 97), (97, 7), (1, 130)])
+@pytest.mark.parametrize("window", [(0, 0), (5, 3), (16, -1), (-1, 4)], ids=str)
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_window(causal, window, lq, lk, device):
+    """Windows around the diagonal (top-left: query i, otherwise i + Lk - Lq), alone and under
+    the causal mask; (0, 0) sees one key, and Lq > Lk leaves rows with none (LSE -inf, zero
+    output and gradients)."""
+    if not _runs(device, torch.float16):
+        return
+    q, k, v, do = make_inputs(2, 4, 2, lq, lk, 64, torch.float16, device)
+    check_against_reference(q, k, v, do, causal, window_size=window)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_window_long(dtype, device):
+    """A window much shorter than the sequence: most key tiles are skipped, the rest
+    masked at both edges."""
+    if not _runs(device, dtype):
+        return
+    q, k, v, do = make_inputs(1, 2, 1, 1025, 1025, 64, dtype, device)
+    check_against_reference(q, k, v, do, "bottom-right", window_size=(100, 0))
+    check_against_reference(q, k, v, do, "none", window_size=(70, 33))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lq,lk", [(97, 97), (7, 130)])
+@pytest.mark.parametrize("cap", [0.5, 30.0])
+@pytest.mark.parametrize("causal", ["none", "bottom-right"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_softcap(dtype, causal, cap, lq, lk, device):
+    """``cap * tanh(s / cap)``: a small cap saturates most scores (its gradient 1 - tanh^2 is
+    then near 0), a large one barely bends them."""
+    if not _runs(device, dtype):
+        return
+    q, k, v, do = make_inputs(2, 4, 2, lq, lk, 64, dtype, device)
+    check_against_reference(q, k, v, do, causal, softcap=cap)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lq,lk", [(97, 97), (7, 130), (97, 7)])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["(H,)", "(B,H)"])
+@pytest.mark.parametrize("causal", CAUSAL)
+def test_alibi(causal, per_batch, lq, lk, device):
+    """``-slope * |c - j|`` with slopes per head or per batch and head (BLOOM's geometric
+    slopes, one batch's reversed), GQA 2:1."""
+    if not _runs(device, torch.float16):
+        return
+    q, k, v, do = make_inputs(2, 4, 2, lq, lk, 64, torch.float16, device)
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / 4) for h in range(4)], device=device)
+    if per_batch:
+        slopes = torch.stack([slopes, slopes.flip(0)])
+    check_against_reference(q, k, v, do, causal, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lq,lk", [(1, 1), (7, 7), (97, 130), (130, 97)])
+@pytest.mark.parametrize("d,hq,hkv", [(64, 8, 2), (128, 2, 2)])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_combined(dtype, causal, d, hq, hkv, lq, lk, device):
+    """Window, soft cap, ALiBi and sinks together; GQA 4:1 and MHA at D 128."""
+    if not _runs(device, dtype):
+        return
+    q, k, v, do = make_inputs(2, hq, hkv, lq, lk, d, dtype, device)
+    sinks = torch.randn(hq, device=device)
+    slopes = torch.rand(2, hq, device=device) * 0.2
+    check_against_reference(q, k, v, do, causal, sinks=sinks, window_size=(20, 5),
+                            softcap=5.0, alibi_slopes=slopes)
+
+
+def test_plain_call_unchanged():
+    """Default arguments build and run the kernels without modifiers (the same keys, code and
+    results as before modifiers existed), and an explicit no-op is no modifier."""
+    q, k, v, _ = make_inputs(1, 2, 2, 33, 33, 64, torch.float32, "cpu")
+    out = attention(q, k, v)
+    assert torch.equal(out, attention(q, k, v, window_size=(-1, -1), softcap=0.0,
+                                      alibi_slopes=None))
+    assert torch.equal(out, attention(q, k, v, window_size=[-1, -1]))
+
+
+def test_unbounded_window_equals_none():
+    """A window wider than both lengths changes nothing (the kernel with the window flag,
+    extents clamped to Lq + Lk)."""
+    q, k, v, _ = make_inputs(1, 2, 2, 40, 50, 64, torch.float32, "cpu")
+    plain = attention(q, k, v, is_causal=True)
+    wide = attention(q, k, v, is_causal=True, window_size=(10**9, 10**9))
+    torch.testing.assert_close(wide, plain, atol=1e-6, rtol=1e-6)
+
+
+def test_key_names_and_refusals():
+    key = KernelKey("dq", 64, "bfloat16", "none", 2, "cuda-sm_90a", window=True, alibi=True)
+    assert key.name == "dq-window-alibi-d64-bf16-none-g2-cuda-sm_90a"
+    assert key.mods == ("window", "alibi")
+    assert KernelKey("fwd", 64, "bfloat16", "none", 1, "llvm", sinks=True,
+                     softcap=True).name == "fwd-sinks-softcap-d64-bf16-none-g1-llvm"
+    with pytest.raises(ValueError, match="^softcap: only the"):
+        KernelKey("bwd_pre", 64, "bfloat16", "none", 1, "llvm", softcap=True)
+
+
+BAD = [
+    ({"window_size": (-2, 0)}, ValueError, "^window_size: "),
+    ({"window_size": (1, 2, 3)}, TypeError, "^window_size: "),
+    ({"window_size": 4}, TypeError, "^window_size: "),
+    ({"window_size": (1.5, 0)}, TypeError, "^window_size: "),
+    ({"softcap": -1.0}, ValueError, "^softcap: "),
+    ({"softcap": float("nan")}, ValueError, "^softcap: "),
+    ({"softcap": "big"}, TypeError, "^softcap: "),
+    ({"alibi_slopes": [0.5, 0.25]}, TypeError, "^alibi_slopes: "),
+    ({"alibi_slopes": torch.ones(3)}, ValueError, r"^alibi_slopes: expected shape \(2,\)"),
+    ({"alibi_slopes": torch.ones(2, 2)}, ValueError, "^alibi_slopes: "),
+    ({"alibi_slopes": torch.ones(2, dtype=torch.float64)}, TypeError, "^alibi_slopes: "),
+]
+
+
+@pytest.mark.parametrize("kwargs,error,match", BAD, ids=[str(b[0]) for b in BAD])
+def test_bad_arguments_are_named(kwargs, error, match):
+    q, k, v, _ = make_inputs(1, 2, 2, 8, 8, 64, torch.float32, "cpu")
+    with pytest.raises(error, match=match):
+        attention(q, k, v, **kwargs)
