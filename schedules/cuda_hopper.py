@@ -119,6 +119,7 @@ class HopperTile:
     stages: int = 2
     split: bool = False
     persistent: bool = False
+    dq: bool = False
 
     @property
     def rows(self) -> int:
@@ -138,6 +139,8 @@ class HopperTile:
             if op == "dkv":  # LSE and Delta rows; split: P^T's words, 4 bytes x 128 threads
                 tiles += self.stages * 2 * self.step * 4
                 tiles += self.stages * self.step // 4 * WG * 4 if self.split else 0
+                if self.dq:  # dS^T of both consumers, double-buffered; the float32 dQ tile
+                    tiles += 2 * self.consumers * 64 * self.step * 2 + self.step * d * 4 + 2048
         return tiles + 1024
 
     def tile_config(self, op: str) -> TileConfig:
@@ -648,6 +651,10 @@ def kernel(key: KernelKey, tile_override: HopperTile | None = None):
                          "consumer warpgroups")
     if chosen.persistent and key.op == "dkv":
         raise ValueError(f"{key.name}: tile {chosen}: dK/dV is not persistent")
+    if chosen.dq and (key.op != "dkv" or key.head_dim != 128 or chosen.step != 64
+                      or chosen.consumers != 2 or chosen.split):
+        raise ValueError(f"{key.name}: tile {chosen}: the fused dQ is written for dK/dV at D 128, "
+                         "64-query steps, two consumer warpgroups, not split")
     if chosen.smem_bytes(key.head_dim, key.op) > SMEM_LIMIT:
         raise ValueError(f"{key.name}: tile {chosen} needs "
                          f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "
@@ -967,6 +974,11 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     slot_off = stat_off + ST * 2 * BQ * 4
     NW = BQ // 4  # split: P^T's 32-bit words a thread hands over a step
     bar_off = slot_off + (ST * NW * WG * 4 if SPLIT else 0)
+    DQ = tile.dq
+    if DQ:  # dS^T (2 buffers x consumers, 64 keys x BQ queries) and the dQ tile (BQ x D, f32)
+        dst_off = (bar_off + 1023) // 1024 * 1024
+        dqt_off = dst_off + 2 * NC * 64 * BQ * 2
+        bar_off = dqt_off + BQ * D * 4
     NB = 1 + (3 if SPLIT else 2) * ST  # K and V; full, empty (split: P ready) per stage
     FULL, EMPTY, PREADY = 1, 1 + ST, 1 + 2 * ST
     pool_bytes = bar_off + 8 * NB
@@ -1117,6 +1129,293 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                     for e in T.vectorized(2):
                         Of[c[0] * ob + c[1] * oh + (key_row + r * 8) * ol + n * 8 + lane % 4 * 2
                            + e] = T.cast(acc[n * 4 + r * 2 + e] * factor, dtype)
+
+    if DQ:
+        # ---------------------------------------------------- the 5-GEMM form (tile.dq)
+        NQ = (D // 2) // 8  # n8 chunks of a consumer's half of the dQ tile's columns
+        mma_q = f"wgmma.mma_async.sync.aligned.m64n{D // 2}k16.f32.{ab}.{ab}"
+        DS_OWN, DS_BOTH, DQ_FULL, DQ_EMPTY = 1, 3, 4, 5  # named barriers (1 + cw: own dS^T)
+        DQ_THREADS = NC * WG + 32  # the consumers and the writer warp
+        dq_bytes = BQ * D * 4
+
+        @T.macro
+        def first_dq(w, c, Lq):
+            """The first step: the last query tile, of the group's first head (query tiles are
+            walked last to first, see below)."""
+            w[0] = (T.ceildiv(Lq, BQ) - 1) * BQ
+            w[1] = c[1] * group
+
+        @T.macro
+        def advance_dq(w, c, Lq):
+            """The next step: the query tile before, or the next head's last one."""
+            w[0] = w[0] - BQ
+            if w[0] < c[3] * BQ:
+                w[0] = (T.ceildiv(Lq, BQ) - 1) * BQ
+                w[1] = w[1] + 1
+
+        @T.macro
+        def step_dq(st, dpt, p, pw, ds, dsw, dk, dv, dqa, Qs, dOs, Ks, stats, dst, dstw, dqt,
+                    bars, ka, va, bq, bdo, bqt, bdot, bdsk, bds0, bds1, bkq, i, q0, key_row, row0,
+                    lane, cw, t, scale, Lq, Lk):
+            """One query tile: dV += P^T dO and dK += dS^T Q as :func:`step`, with dS^T through
+            shared memory; then this warpgroup's half of the tile's dQ (columns ``64 cw ..``)
+            = dS K over both warpgroups' keys, handed to the writer warp."""
+            sg = T.meta_var(i % ST)
+            db = T.meta_var(i % 2)
+            _desc(bq[0], T.address_of(Qs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
+            _desc(bdo[0], T.address_of(dOs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
+            _desc(bqt[0], T.address_of(Qs[sg, 0, 0, 0]), qt_ldo, qt_sdo, SW)
+            _desc(bdot[0], T.address_of(dOs[sg, 0, 0, 0]), qt_ldo, qt_sdo, SW)
+            # dS^T K-major for dK (rows keys); dS MN-major for dQ (its rows are the k dim)
+            _desc(bdsk[0], T.address_of(dst[db, cw, 0, 0]), 1, 8 * ROW, SW)
+            _desc(bds0[0], T.address_of(dst[db, 0, 0, 0]), 64 * ROW, 8 * ROW, SW)
+            _desc(bds1[0], T.address_of(dst[db, 1, 0, 0]), 64 * ROW, 8 * ROW, SW)
+            _desc(bkq[0], T.address_of(Ks[cw, 0, 0]), BN * ROW, 8 * ROW, SW)
+            T.cuda.mbarrier_wait(T.address_of(bars[FULL + sg]), i // ST % 2)
+            pin(st, NS * 4)
+            pin(dpt, NS * 4)
+            T.ptx.wgmma.fence.sync.aligned()
+            gemm_ss(mma_s, st, NS * 4, ka[0], BN, bq[0], BQ, D // 16, KA, ROW)
+            gemm_ss(mma_s, dpt, NS * 4, va[0], BN, bdo[0], BQ, D // 16, KA, ROW)
+            T.ptx.wgmma.wait_group.sync.aligned(1)  # S^T done
+            pin(st, NS * 4)
+            probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk)
+            pin_u32(pw, NS * 2)
+            pin(dv, NO * 4)
+            T.ptx.wgmma.fence.sync.aligned()
+            gemm_rs(mma_o, dv, NO * 4, pw, bdot[0], BQ // 16, ROW)
+            T.ptx.wgmma.wait_group.sync.aligned(1)  # dP^T done; dV += P^T dO may run on
+            pin(dpt, NS * 4)
+            for e in T.unroll(NS * 4):  # from P's rounded values (S^T's registers are free)
+                ds[e] = T.cast(T.cast(p[e], F32) * (dpt[e] - stats[sg, 1, e // 4 * 8
+                                                                   + lane % 4 * 2 + e % 2]),
+                               dtype)
+            # dS^T into shared memory, 128-byte rows (one per key) swizzled as TMA would write
+            # them: the 16-byte chunk j of row r at chunk j ^ (r % 8)
+            for r in T.unroll(2):
+                for j in T.unroll(NS):
+                    dstw[db, cw, (key_row - row0 + r * 8) * 32
+                         + (j ^ ((key_row - row0 + r * 8) % 8)) * 4 + lane % 4] = dsw[j * 2 + r]
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.ptx.barrier.sync.aligned(T.cast(DS_OWN + cw, "uint32"), WG)
+            pin(dk, NO * 4)
+            T.ptx.wgmma.fence.sync.aligned()
+            for kk in T.unroll(BQ // 16):  # dK += dS^T Q: A K-major from shared, Q MN-major
+                T.ptx[mma_o](*[dk[e] for e in range(NO * 4)], bdsk[0] + T.uint64(kk * 2),
+                             bqt[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 0, 1)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            T.ptx.barrier.sync.aligned(DS_BOTH, NC * WG)  # both halves of dS^T written
+            pin(dqa, NQ * 4)
+            T.ptx.wgmma.fence.sync.aligned()
+            for kk in T.unroll(BN // 16):  # dQ[:, 64 cw ..] = dS K: both MN-major
+                T.ptx[mma_q](*[dqa[e] for e in range(NQ * 4)],
+                             T.if_then_else(kk < 4, bds0[0], bds1[0])
+                             + T.uint64(kk % 4 * 16 * ROW),
+                             bkq[0] + T.uint64(kk * 16 * ROW), T.bool(kk > 0), 1, 1, 1, 1)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            T.ptx.wgmma.wait_group.sync.aligned(0)  # dV, dK and dQ done: the stage is free
+            pin(dv, NO * 4)
+            pin(dk, NO * 4)
+            pin(dqa, NQ * 4)
+            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
+            T.ptx.barrier.sync.aligned(DQ_EMPTY, DQ_THREADS)  # the writer is done with dqt
+            for r in T.unroll(2):
+                for n in T.unroll(NQ):
+                    for e in T.unroll(2):
+                        dqt[(t // 32 * 16 + lane // 4 + r * 8) * D + cw * (D // 2) + n * 8
+                            + lane % 4 * 2 + e] = dqa[n * 4 + r * 2 + e]
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.ptx.barrier.arrive.aligned(DQ_FULL, DQ_THREADS)
+
+        @T.prim_func
+        def flash_dkv_dq(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle,
+                         lse_h: T.handle, delta_h: T.handle, dk_h: T.handle, dv_h: T.handle,
+                         scale: T.float32, dqacc_h: T.handle, sem_h: T.handle):
+            T.func_attr({"global_symbol": "flash_dkv", "tirx.noalias": True})
+            B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+            qb, qh, ql, kb, kh, kl = (T.int64(), T.int64(), T.int64(), T.int64(), T.int64(),
+                                      T.int64())
+            vb, vh, vl, gb, gh, gl = (T.int64(), T.int64(), T.int64(), T.int64(), T.int64(),
+                                      T.int64())
+            kob, koh, kol, vob, voh, vol = (T.int64(), T.int64(), T.int64(), T.int64(),
+                                            T.int64(), T.int64())
+            Lqp, NQT = T.int64(), T.int64()
+            Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=(qb, qh, ql, 1), align=16)
+            K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=(kb, kh, kl, 1), align=16)
+            V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=(vb, vh, vl, 1), align=16)
+            dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=(gb, gh, gl, 1), align=16)
+            LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
+            Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
+            dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype, strides=(kob, koh, kol, 1),
+                                align=16)
+            dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype, strides=(vob, voh, vol, 1),
+                                align=16)
+            # dQ's float32 sums, rows padded to whole query tiles, and one counter per
+            # (batch, query head, query tile): how many key tiles have added theirs
+            DQacc = T.match_buffer(dqacc_h, (B, Hq, Lqp, D), F32, align=16)
+            Sem = T.match_buffer(sem_h, (B, Hq, NQT), "int32")
+            _require_vector_rows("flash_dkv", Q, K, V, dO, dK, dV)
+            qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            _tmap(qmap, Q, ATOM, BQ, SW)
+            domap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            _tmap(domap, dO, ATOM, BQ, SW)
+            kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            _tmap(kmap, K, ATOM, BN, SW)
+            vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            _tmap(vmap, V, ATOM, BN, SW)
+            T.device_entry()
+            T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
+            nkt = T.meta_var(T.ceildiv(Lk, BN))
+            bx = T.cta_id([T.cast(B * Hkv * nkt, "int32")])
+            tx = T.thread_id([NT])
+            pool = T.alloc_buffer((pool_bytes,), "uint8", scope="shared.dyn", align=1024)
+            Ks = T.decl_buffer((NA, BN, ATOM), dtype, data=pool.data, elem_offset=0,
+                               scope="shared.dyn")
+            Vs = T.decl_buffer((NA, BN, ATOM), dtype, data=pool.data, elem_offset=v_off // 2,
+                               scope="shared.dyn")
+            Qs = T.decl_buffer((ST, NA, BQ, ATOM), dtype, data=pool.data,
+                               elem_offset=q_off // 2, scope="shared.dyn")
+            dOs = T.decl_buffer((ST, NA, BQ, ATOM), dtype, data=pool.data,
+                                elem_offset=do_off // 2, scope="shared.dyn")
+            stats = T.decl_buffer((ST, 2, BQ), F32, data=pool.data, elem_offset=stat_off // 4,
+                                  scope="shared.dyn")
+            dst = T.decl_buffer((2, NC, 64, BQ), dtype, data=pool.data,
+                                elem_offset=dst_off // 2, scope="shared.dyn")
+            dstw = T.decl_buffer((2, NC, 64 * BQ // 2), "uint32", data=pool.data,
+                                 elem_offset=dst_off // 4, scope="shared.dyn")
+            dqt = T.decl_buffer((BQ * D,), F32, data=pool.data, elem_offset=dqt_off // 4,
+                                scope="shared.dyn")
+            bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
+                                 scope="shared.dyn")
+            dKf = T.decl_buffer((B * kob,), dtype, data=dK.data)
+            dVf = T.decl_buffer((B * vob,), dtype, data=dV.data)
+            c = T.alloc_buffer((6,), "int64", scope="local")
+            w = T.alloc_buffer((2,), "int64", scope="local")
+            seen = T.alloc_buffer((1,), "int32", scope="local")
+
+            # key tile major, first tiles first: a block waits (on a counter) only for blocks
+            # of earlier key tiles, which were launched before it
+            c[2] = T.cast(bx, "int64") // (B * Hkv) * BN
+            c[0] = T.cast(bx, "int64") % (B * Hkv) // Hkv
+            c[1] = T.cast(bx, "int64") % Hkv
+            c[3] = first_query_tile(causal, c[2], Lq, Lk, BQ)
+            c[4] = T.ceildiv(Lq, BQ) - c[3]
+            c[5] = c[4] * group
+            if tx == 0:
+                for i in T.unroll(NB):
+                    T.ptx.mbarrier.init.shared.b64(
+                        T.address_of(bars[i]),
+                        T.uint32(1 if i < FULL else 32 if i < EMPTY else WG * NC))
+                T.ptx.fence.proxy.async_.shared__cta()
+            T.cuda.cta_sync()
+
+            if tx < WG:  # -------------------------------------------------------- producer
+                # 32, not 24: the writer warp's address arithmetic (32 + 2 x 240 = 512 a thread)
+                T.ptx.setmaxnreg.dec.sync.aligned.u32(32)
+                if tx == 0 and c[5] > 0:
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
+                                                               T.uint32(2 * k_bytes))
+                    for a in T.unroll(NA):
+                        T.ptx[_TMA](T.address_of(Ks[a, 0, 0]), T.address_of(kmap), a * ATOM,
+                                    T.cast(c[2], "int32"), T.cast(c[1], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+                        T.ptx[_TMA](T.address_of(Vs[a, 0, 0]), T.address_of(vmap), a * ATOM,
+                                    T.cast(c[2], "int32"), T.cast(c[1], "int32"),
+                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+                if tx < 32:  # warp 0: the stages (as flash_dkv's, last query tile first)
+                    first_dq(w, c, Lq)
+                    for i in T.serial(c[5]):
+                        if i >= ST:
+                            T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + i % ST]),
+                                                 (i // ST - 1) % 2)
+                        for r in T.unroll((BQ + 31) // 32):
+                            if r * 32 + tx < BQ:
+                                stat_row(stats, i % ST, r * 32 + tx, LSE, Delta, c, w, Lq)
+                        if tx == 0:
+                            T.ptx.mbarrier.arrive.expect_tx.shared.b64(
+                                T.address_of(bars[FULL + i % ST]), T.uint32(2 * q_bytes))
+                            for a in T.unroll(NA):
+                                T.ptx[_TMA](T.address_of(Qs[i % ST, a, 0, 0]),
+                                            T.address_of(qmap), a * ATOM, T.cast(w[0], "int32"),
+                                            T.cast(w[1], "int32"), T.cast(c[0], "int32"),
+                                            T.address_of(bars[FULL + i % ST]))
+                                T.ptx[_TMA](T.address_of(dOs[i % ST, a, 0, 0]),
+                                            T.address_of(domap), a * ATOM,
+                                            T.cast(w[0], "int32"), T.cast(w[1], "int32"),
+                                            T.cast(c[0], "int32"),
+                                            T.address_of(bars[FULL + i % ST]))
+                        else:
+                            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[FULL + i % ST]))
+                        advance_dq(w, c, Lq)
+                elif tx < 64:  # warp 1: adds each step's dQ tile, in key tile order
+                    first_dq(w, c, Lq)
+                    if c[5] > 0:
+                        T.ptx.barrier.arrive.aligned(DQ_EMPTY, DQ_THREADS)
+                    for i in T.serial(c[5]):
+                        T.ptx.barrier.sync.aligned(DQ_FULL, DQ_THREADS)
+                        if tx == 32:
+                            # the key tiles before this one that see the query tile have added
+                            # theirs (the tiles that see it are 0 .. t: first_query_tile grows
+                            # with the key)
+                            seen[0] = T.int32(-1)
+                            while seen[0] != T.cast(c[2] // BN, "int32"):
+                                T.ptx["ld.acquire.gpu.global.b32"](
+                                    seen[0], T.address_of(Sem[c[0], w[1], w[0] // BQ]))
+                            T.ptx["cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"](
+                                T.address_of(DQacc[c[0], w[1], w[0], 0]),
+                                T.address_of(dqt[0]), T.uint32(dq_bytes))
+                            T.ptx["cp.async.bulk.commit_group"]()
+                            T.ptx["cp.async.bulk.wait_group"](0)  # added, not only read
+                            T.ptx["fence.proxy.async.global"]()
+                            T.ptx["fence.acq_rel.gpu"]()
+                            T.ptx["red.release.gpu.global.add.s32"](
+                                T.address_of(Sem[c[0], w[1], w[0] // BQ]), T.int32(1))
+                        T.cuda.warp_sync()
+                        if i + 1 < c[5]:
+                            T.ptx.barrier.arrive.aligned(DQ_EMPTY, DQ_THREADS)
+                        advance_dq(w, c, Lq)
+            else:  # -------------------------------------------------------------- consumers
+                T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)
+                st = T.alloc_buffer((NS * 4,), F32, scope="local")
+                dpt = T.alloc_buffer((NS * 4,), F32, scope="local")
+                p = T.alloc_buffer((NS * 4,), dtype, scope="local")
+                pw = T.decl_buffer((NS * 2,), "uint32", data=p.data, scope="local")
+                ds = T.alloc_buffer((NS * 4,), dtype, scope="local")
+                dsw = T.decl_buffer((NS * 2,), "uint32", data=ds.data, scope="local")
+                dk = T.alloc_buffer((NO * 4,), F32, scope="local")
+                dv = T.alloc_buffer((NO * 4,), F32, scope="local")
+                dqa = T.alloc_buffer((NQ * 4,), F32, scope="local")
+                ka = T.alloc_buffer((1,), "uint64", scope="local")
+                va = T.alloc_buffer((1,), "uint64", scope="local")
+                bq = T.alloc_buffer((1,), "uint64", scope="local")
+                bdo = T.alloc_buffer((1,), "uint64", scope="local")
+                bqt = T.alloc_buffer((1,), "uint64", scope="local")
+                bdot = T.alloc_buffer((1,), "uint64", scope="local")
+                bdsk = T.alloc_buffer((1,), "uint64", scope="local")
+                bds0 = T.alloc_buffer((1,), "uint64", scope="local")
+                bds1 = T.alloc_buffer((1,), "uint64", scope="local")
+                bkq = T.alloc_buffer((1,), "uint64", scope="local")
+                cw = T.meta_var(tx // WG - 1)
+                lane = T.meta_var(tx % 32)
+                row0 = T.meta_var(c[2] + cw * 64)
+                key_row = T.meta_var(row0 + tx % WG // 32 * 16 + lane // 4)
+                for e in T.unroll(NO * 4):
+                    dk[e] = T.float32(0)
+                    dv[e] = T.float32(0)
+                if c[5] > 0:
+                    _desc(ka[0], T.address_of(Ks[0, cw * 64, 0]), 1, 8 * ROW, SW)
+                    _desc(va[0], T.address_of(Vs[0, cw * 64, 0]), 1, 8 * ROW, SW)
+                    T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
+                    first_dq(w, c, Lq)
+                    for i in T.serial(c[5]):
+                        step_dq(st, dpt, p, pw, ds, dsw, dk, dv, dqa, Qs, dOs, Ks, stats, dst,
+                                dstw, dqt, bars, ka, va, bq, bdo, bqt, bdot, bdsk, bds0, bds1,
+                                bkq, i, w[0], key_row, row0, lane, cw, tx % WG, scale, Lq, Lk)
+                        advance_dq(w, c, Lq)
+                store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk)
+                store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk)
+
+        return flash_dkv_dq
 
     @T.prim_func
     def flash_dkv(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle,

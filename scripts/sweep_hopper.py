@@ -13,11 +13,17 @@ B·N = 16k tokens, hidden 2048, side by side in the same process with:
   from the float64 reference; gradients must be within 3x the error of the same maths in the
   input precision (torch autograd on ``attention_reference``) plus a floor, as in
   tests/checks.py. TFLOP/s count the kernel's own GEMMs: dQ 3 (S, dP, dQ) = 6 B H N^2 D,
-  dK/dV 4 (S^T, dP^T, dV, dK) = 8 B H N^2 D, halved causal.
+  dK/dV 4 (S^T, dP^T, dV, dK) = 8 B H N^2 D, halved causal. A dK/dV tile with ``"dq": true``
+  (the 5-GEMM backward: dQ added in key-tile order into a float32 accumulator, see
+  ``cuda_hopper.flash_dkv``) is checked for dQ too, for bitwise-equal results on three runs,
+  and timed with its accumulator's zeroing and conversion, 5 GEMMs = 10 B H N^2 D: compare
+  it with the default tiles' dq + dkv.
 
     python scripts/sweep_hopper.py --head-dims 64,128 --dtypes bf16 --out results.json
     python scripts/sweep_hopper.py --ops dq,dkv --head-dims 64,128 --dtypes bf16,fp16 \
         --seqlens 1024,4096 --mma
+    python scripts/sweep_hopper.py --ops dq,dkv --head-dims 128 --gqa 1,2 \
+        --tiles '{"dkv:128": [null, {"step": 64, "stages": 2, "dq": true}]}'
 """
 
 from __future__ import annotations
@@ -129,10 +135,10 @@ def _cases(key, device, strided: bool):
                    _tensor(b, hkv, lk, d, dtype, device, layout))
 
 
-def check(fn, key, device, strided: bool = True) -> tuple[bool, str]:
+def check(fn, key, device, strided: bool = True, fused: bool = False) -> tuple[bool, str]:
     """Max errors over the odd shapes, vs the same maths in the input precision."""
     if key.op != "fwd":
-        return check_backward(fn, key, device, strided)
+        return check_backward(fn, key, device, strided, fused)
     import torch
 
     dtype = getattr(torch, key.dtype)
@@ -173,8 +179,20 @@ def _grads(q, k, v, do, causal, scale, dtype):
     return out.detach(), lse.detach(), grads
 
 
-def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout):
-    """Call the dq or dkv kernel on NaN-poisoned outputs (in ``layout``); its gradients."""
+def _fused_workspace(q):
+    """The 5-GEMM dK/dV's extra arguments: dQ's float32 sums (rows padded to 64-row query
+    tiles) and one counter per (batch, head, query tile), both zeroed."""
+    import torch
+
+    b, hq, lq, d = q.shape
+    tiles = -(-lq // 64)
+    return (torch.zeros(b, hq, tiles * 64, d, dtype=torch.float32, device=q.device),
+            torch.zeros(b, hq, tiles, dtype=torch.int32, device=q.device))
+
+
+def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout, fused: bool = False):
+    """Call the dq or dkv kernel on NaN-poisoned outputs (in ``layout``); its gradients
+    (``fused``: dq, dk, dv from the 5-GEMM dK/dV)."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     if op == "dq":
@@ -183,18 +201,24 @@ def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout):
         return (dq,)
     dk = _tensor(b, hkv, lk, d, q.dtype, q.device, layout, float("nan"))
     dv = _tensor(b, hkv, lk, d, q.dtype, q.device, layout, float("nan"))
+    if fused:
+        acc, sem = _fused_workspace(q)
+        fn(q, k, v, do, lse, delta, dk, dv, scale, acc, sem)
+        return (acc[:, :, :lq] * scale).to(q.dtype), dk, dv
     fn(q, k, v, do, lse, delta, dk, dv, scale)
     return dk, dv
 
 
-def check_backward(fn, key, device, strided: bool = True) -> tuple[bool, str]:
+def check_backward(fn, key, device, strided: bool = True,
+                   fused: bool = False) -> tuple[bool, str]:
     """dq or dkv alone, fed the float64 reference's LSE and Delta = rowsum(dO O): its
     gradients vs float64 within 3x the error of the same maths in the input precision + a
-    floor (tests/checks.py)."""
+    floor (tests/checks.py). ``fused``: the 5-GEMM dK/dV, dQ too, and every case run three
+    times with bitwise-equal results."""
     import torch
 
     dtype = getattr(torch, key.dtype)
-    names = ("dq",) if key.op == "dq" else ("dk", "dv")
+    names = ("dq",) if key.op == "dq" else ("dq", "dk", "dv") if fused else ("dk", "dv")
     worst, ok = 0.0, True
     for b, hkv, lq, lk, layout, q, k, v in _cases(key, device, strided):
         do = _tensor(*q.shape[:3], key.head_dim, dtype, device, layout)
@@ -203,10 +227,18 @@ def check_backward(fn, key, device, strided: bool = True) -> tuple[bool, str]:
         _, _, lowp = _grads(q, k, v, do, key.causal, scale, dtype)
         delta = (do.double() * out).sum(-1).float().contiguous()
         ours = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), delta,
-                             scale, layout)
+                             scale, layout, fused)
+        if fused:
+            for _ in range(2):
+                again = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), delta,
+                                      scale, layout, fused)
+                if not all(torch.equal(a, o) for a, o in zip(again, ours, strict=True)):
+                    ok = False
+                    print(f"   FAIL {key.name} {layout} b{b} hkv{hkv} lq{lq} lk{lk}: runs "
+                          "differ", flush=True)
         if q.is_cuda:
             torch.cuda.synchronize()
-        pick = (0,) if key.op == "dq" else (1, 2)
+        pick = (0,) if key.op == "dq" else (0, 1, 2) if fused else (1, 2)
         for name, o, i in zip(names, ours, pick, strict=True):
             err = (o.double() - exact[i]).abs().max().item()
             base = (lowp[i].double() - exact[i]).abs().max().item()
@@ -220,8 +252,9 @@ def check_backward(fn, key, device, strided: bool = True) -> tuple[bool, str]:
     return ok, f"max grad err {worst:.3g}"
 
 
-def timing_backward(fn, key, n: int, device) -> dict:
-    """The kernel alone at B N = 16k tokens, hidden 2048 (inputs contiguous)."""
+def timing_backward(fn, key, n: int, device, fused: bool = False) -> dict:
+    """The kernel alone at B N = 16k tokens, hidden 2048 (inputs contiguous); ``fused``: the
+    5-GEMM dK/dV with its accumulator zeroed before and converted after."""
     import torch
     from triton.testing import do_bench
 
@@ -234,9 +267,21 @@ def timing_backward(fn, key, n: int, device) -> dict:
     delta = torch.randn(b, h, n, dtype=torch.float32, device=device)
     outs = [torch.empty_like(q) for _ in range(1 if key.op == "dq" else 2)]
     scale = 1 / math.sqrt(d)
-    flops = GEMMS[key.op] * 2 * b * h * n * n * d // (2 if key.causal != "none" else 1)
-    ms = do_bench(lambda: fn(q, k, v, do, lse, delta, *outs, scale), warmup=50, rep=300,
-                  return_mode="median")
+    gemms = 5 if fused else GEMMS[key.op]
+    flops = gemms * 2 * b * h * n * n * d // (2 if key.causal != "none" else 1)
+    if fused:
+        acc, sem = _fused_workspace(q)
+        dq = torch.empty_like(q)
+
+        def call():
+            acc.zero_()
+            sem.zero_()
+            fn(q, k, v, do, lse, delta, *outs, scale, acc, sem)
+            dq.copy_(acc[:, :, :n] * scale)
+    else:
+        def call():
+            fn(q, k, v, do, lse, delta, *outs, scale)
+    ms = do_bench(call, warmup=50, rep=300, return_mode="median")
     return {"ours": flops / ms / 1e9, "ms": ms}
 
 
@@ -344,13 +389,15 @@ def main(argv=None) -> int:
         if files is None:
             continue
         row = {"key": key.name, "tile": t}
+        fused = bool(t and t.get("dq"))
         try:
             fn = _load(*files)
-            row["ok"], row["check"] = check(fn, key, device, strided=key.target != "cuda-sm_90")
+            row["ok"], row["check"] = check(fn, key, device, strided=key.target != "cuda-sm_90",
+                                            fused=fused)
             if row["ok"] and not key.sinks and key.group == 1:
                 for n in seqlens:
                     row[f"n{n}"] = (timing(fn, key, n, device) if key.op == "fwd"
-                                    else timing_backward(fn, key, n, device))
+                                    else timing_backward(fn, key, n, device, fused))
         except Exception as err:  # noqa: BLE001 - a failing variant must not hide the others
             row["ok"], row["check"] = False, f"error: {str(err)[-600:]}"
         rows.append(row)

@@ -151,3 +151,38 @@ def test_hopper_kernels_stay_in_registers_and_keep_wgmma_asynchronous(key, tmp_p
     assert spilled and max(spilled) == 0, res.stderr
     notes = re.findall(r"\(C75(1[0-9])\)", res.stderr)
     assert not notes, res.stderr
+
+
+FUSED = hopper.HopperTile(step=64, stages=2, dq=True)
+"""The 5-GEMM dK/dV tile (dQ added in key-tile order into a float32 accumulator): written,
+not run on a GPU yet, so nothing selects it (``cuda_hopper._dkv_tile``)."""
+
+
+@functools.cache
+def _fused_source(causal: str) -> str:
+    key = KernelKey("dkv", 128, "bfloat16", causal, 1, "cuda-sm_90a")
+    with tvm.transform.PassContext(config=pass_config("cuda")):
+        built = tvm.tirx.build(tvm.IRModule({"main": hopper.kernel(key, FUSED)}),
+                               target=make_target(key.target), pipeline="tirx")
+    return device_source(built)
+
+
+@pytest.mark.parametrize("causal", ["none", "top-left"])
+def test_fused_dq_tile_lowers_and_adds_in_order(causal):
+    """The fused dK/dV + dQ kernel lowers to wgmma (dS^T from shared memory, dQ's operands
+    both MN-major), adds its dQ tile by a bulk reduce once the tile's counter says the key
+    tiles before it have, and releases the counter after the add completed; it is built only
+    at D 128 and never selected by ``tile``."""
+    src = _fused_source(causal)
+    for needle in ("wgmma.mma_async.sync.aligned.m64n64k16", "ld.acquire.gpu.global.b32",
+                   "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
+                   "cp.async.bulk.wait_group 0", "red.release.gpu.global.add.s32",
+                   "barrier.sync.aligned"):
+        assert needle in src, needle
+    # at the call sites (the last occurrences; the first are the helpers' definitions)
+    assert (src.rindex("wait_group_0()") < src.rindex("fence_acq_rel_gpu()")
+            < src.rindex("red_release_gpu_global_add_s32("))
+    assert not any(hopper.tile(KernelKey("dkv", d, "bfloat16", causal, 1, "cuda-sm_90a")).dq
+                   for d in hopper.OP_HEAD_DIMS["dkv"])
+    with pytest.raises(ValueError, match="fused dQ"):
+        hopper.kernel(KernelKey("dkv", 64, "bfloat16", causal, 1, "cuda-sm_90a"), FUSED)

@@ -45,8 +45,9 @@ def check_varlen(lens_q, lens_k, hq, hkv, d, dtype, device, causal, sinks=None, 
     assert out.shape == q.shape and lse.shape == (hq, q.shape[0])
     out.backward(do)
     alibi = mods.pop("alibi_slopes", None)
-    for s, ((q0, q1), (k0, k1)) in enumerate(zip(zip(cu_q.tolist(), cu_q.tolist()[1:]),
-                                                 zip(cu_k.tolist(), cu_k.tolist()[1:]),
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for s, ((q0, q1), (k0, k1)) in enumerate(zip(zip(bq[:-1], bq[1:], strict=True),
+                                                 zip(bk[:-1], bk[1:], strict=True),
                                                  strict=True)):
         if q1 == q0:
             continue
