@@ -60,12 +60,21 @@ from tvm.script import tirx as T
 
 from tvm_flash.kernels.common import (
     LOG2E,
+    NO_MODS,
+    TILED,
+    ModArgs,
+    Mods,
     TileConfig,
     exp2_clamped,
+    first_key,
     first_query_tile,
+    modified_score,
     neg_inf,
     num_key_tiles,
+    query_tiles_end,
     row_lse,
+    softcap_slope,
+    trim_params,
     visible,
 )
 from tvm_flash.key import KernelKey
@@ -162,16 +171,24 @@ which the ``mma.sync`` kernel runs faster (H200, bf16, N 4096, the kernel alone:
 
 def writes(key: KernelKey) -> bool:
     """Whether this module has a kernel for ``key``: forward, dQ or dK/dV, fp16/bf16, sm_90a,
-    a head dim in ``OP_HEAD_DIMS`` of its op (every causal mode and GQA group), no score
-    modifier (``tvm_flash.key.MODS``), not packed sequences (``varlen``): not written here
-    yet."""
+    a head dim in ``OP_HEAD_DIMS`` of its op (every causal mode and GQA group), score
+    modifiers for the ops of :data:`MODS_WRITTEN`, not packed sequences (``varlen``): not
+    written here yet."""
     return (key.op in OPS and key.dtype in _PTX and key.head_dim in OP_HEAD_DIMS[key.op]
-            and key.target == "cuda-sm_90a" and not key.mods and not key.varlen)
+            and key.target == "cuda-sm_90a" and not key.varlen
+            and (not key.mods or key.head_dim in MODS_WRITTEN[key.op]))
+
+
+MODS_WRITTEN = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": HEAD_DIMS[:5]}
+"""Per op, the head dims written with score modifiers (``tvm_flash.key.MODS``) too: dK/dV
+not on the split tile (D 192 and up) yet, whose dK warpgroup would need S^T's soft-cap slope
+from the other. None served until they have run against float64 on a GPU
+(``scripts/sweep_hopper.py --mods``)."""
 
 
 def supports(key: KernelKey) -> bool:
-    """Whether ``key`` runs on these kernels (:data:`SERVED`)."""
-    return writes(key) and key.head_dim in SERVED[key.op]
+    """Whether ``key`` runs on these kernels (:data:`SERVED`; no score modifier yet)."""
+    return writes(key) and key.head_dim in SERVED[key.op] and not key.mods
 
 
 def tile(key: KernelKey) -> HopperTile:
@@ -181,10 +198,18 @@ def tile(key: KernelKey) -> HopperTile:
     forward"): at D 128 bf16 N 4096 532 TFLOP/s against 523 with three stages, 532 with
     176-key steps (which spill) and 432 for the best tile without the producer warpgroup."""
     d = key.head_dim
+    # a soft cap or ALiBi rewrites every score in registers (dK/dV under a cap also keeps
+    # 1 - tanh^2 beside S^T): shorter steps keep them in registers (ptxas, bf16 unmasked:
+    # dQ D 64 104 -> 0 bytes spilled, dK/dV D 128 192-196 -> 0; not run on a GPU yet)
+    rescored = key.softcap or key.alibi
     if key.op == "dq":
-        return _dq_tile(d, key.causal != "none")
+        chosen = _dq_tile(d, key.causal != "none")
+        return dataclasses.replace(chosen, step=min(chosen.step, 64)) if rescored else chosen
     if key.op == "dkv":
-        return _dkv_tile(d)
+        chosen = _dkv_tile(d)
+        if rescored and not chosen.split:
+            return dataclasses.replace(chosen, step=64 if d <= 64 else 32)
+        return chosen
     # persistent where ptxas keeps it in registers and it was measured faster (D 96, 160-224
     # spill 4-200 bytes with the tile loop; D 256 causal N 512 / 1024 +8 / +5%, unmasked
     # 0 / -4%)
@@ -337,19 +362,23 @@ def _mine(total, grid, bx, persistent: bool):
             if persistent else 1)
 
 
-def _locator(causal: str, rows: int, step: int, group: int):
-    """A macro ``locate(c, pos, nqt, heads, Hq, Lq, Lk)``: the row tile at ``pos`` in
+def _locator(causal: str, rows: int, step: int, group: int, mods: Mods = NO_MODS):
+    """A macro ``locate(c, pos, nqt, heads, Hq, Lq, Lk, ma)``: the row tile at ``pos`` in
     :func:`_block_order` — batch, query head, KV head, first query row and key tiles into
-    ``c[0:5]`` (forward and dQ blocks of ``rows`` queries, keys walked ``step`` at a time)."""
+    ``c[0:5]`` (forward and dQ blocks of ``rows`` queries, keys walked ``step`` at a time);
+    under a window (``ma`` its arguments) also the first key tile's first key into ``c[6]``."""
 
     @T.macro
-    def locate(c, pos, nqt, heads, Hq, Lq, Lk):
+    def locate(c, pos, nqt, heads, Hq, Lq, Lk, ma):
         t, bh = T.meta_var(_block_order(causal, T.cast(pos, "int64"), nqt, heads))
         c[3] = (nqt - 1 - t) * rows
         c[0] = bh // Hq
         c[1] = bh % Hq
         c[2] = c[1] // group
-        c[4] = num_key_tiles(causal, c[3], rows, Lq, Lk, step, T.int64(0), Lk)
+        if mods.window:
+            c[6] = first_key(causal, c[3], Lq, Lk, step, T.int64(0), mods, ma)
+        c[4] = num_key_tiles(causal, c[3], rows, Lq, Lk, step, c[6] if mods.window else
+                             T.int64(0), Lk, mods, ma)
 
     return locate
 
@@ -380,6 +409,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     ping-pong (the two consumers taking turns to issue their GEMMs on named barriers) was
     measured on top of this and dropped: 0-3% slower at D 64-256 (the journal)."""
     D, dtype, causal, sinks, group = key.head_dim, key.dtype, key.causal, key.sinks, key.group
+    mods = Mods(key.window, key.softcap, key.alibi)
+    rescored = mods.softcap or mods.alibi  # scores rewritten in base 2 before the softmax
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
     ATOM = atom(D)
@@ -440,18 +471,26 @@ def flash_forward(key: KernelKey, tile: HopperTile):
 
     @T.macro
     def softmax(s, p, acc, m, mn, msub, lsum, bars, j, g, row, lane, scale2, elected, Lq, Lk,
-                c):
+                c, scale, ma):
         """S_j (ring slot ``g``) is complete: release K_j, online softmax in place; once
         P_{j-1} V_{j-1} is complete, release V_{j-1}, rescale O and round P_j into the
-        registers it read."""
-        k0 = T.meta_var(j * BK)
+        registers it read. Score modifiers (``ma``: their arguments, the slope in a register)
+        rewrite S_j in base 2 first; under a window every step is masked, its key tiles
+        counted from ``c[6]``."""
+        k0 = T.meta_var((j + c[6] // BK) * BK if mods.window else j * BK)
         pin(s, NS * 4)
         if elected:
             T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EK + g % ST]))
-        if _mask_needed(causal, c[3], BM, k0, BK, Lk, Lq, Lk):
+        if rescored:
+            for i in T.unroll(NS * 4):
+                s[i] = modified_score(s[i], scale, mods, ma, causal, 0, 0,
+                                      row + i % 4 // 2 * 8,
+                                      k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq,
+                                      Lk) * T.float32(LOG2E)
+        if T.bool(True) if mods.window else _mask_needed(causal, c[3], BM, k0, BK, Lk, Lq, Lk):
             for i in T.unroll(NS * 4):
                 if not visible(causal, row + i % 4 // 2 * 8,
-                               k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq, Lk):
+                               k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq, Lk, None, mods, ma):
                     s[i] = neg_inf()
         for r in T.unroll(2):
             mn[r] = _row_tree(T.max, s, r, NS)
@@ -476,11 +515,12 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         for i in T.unroll(NS * 4):
             p[i] = T.cast(s[i], dtype)
 
-    locate = _locator(causal, BM, BK, group)
+    locate = _locator(causal, BM, BK, group, mods)
 
     @T.prim_func
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, sinks_h: T.handle,
-                  o_h: T.handle, lse_h: T.handle, scale: T.float32):
+                  o_h: T.handle, lse_h: T.handle, scale: T.float32, slopes_h: T.handle,
+                  window_left: T.int64, window_right: T.int64, softcap: T.float32):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         qb, qh, ql, kb, kh, kl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
@@ -491,6 +531,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype, strides=(ob, oh, ol, 1), align=16)
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Sinks = T.match_buffer(sinks_h, (Hq,), F32)
+        Slopes = T.match_buffer(slopes_h, (B, Hq), F32)
         _require_vector_rows("flash_fwd", Q, K, V, O)
         # the grid, decided here on the host (persistent: one block per SM, which one block
         # fills): the kernel receives it as one number
@@ -520,7 +561,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                              scope="shared.dyn")
         Of = T.decl_buffer((B * ob,), dtype, data=O.data)
         # b, h, kv head, q0, key tiles of the query tile; ring slots used by the ones before
-        c = T.alloc_buffer((6,), "int64", scope="local")
+        c = T.alloc_buffer((7 if mods.window else 6,), "int64", scope="local")
         # the block's query tiles, in rounds over _block_order (causal: longest first): bx in
         # even rounds, grid - 1 - bx in odd ones, so that a block's long and short tiles even
         # out; a round's blocks walk adjacent tiles (a head's, sharing its K/V in L2)
@@ -537,7 +578,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0:
                 for it in T.serial(mine):
-                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk,
+                           ModArgs(Slopes, window_left, window_right, softcap))
                     # the Q tile is reloaded once both consumers' products with it completed
                     if it > 0:
                         T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
@@ -553,11 +595,13 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                         if g >= ST:
                             T.cuda.mbarrier_wait(T.address_of(bars[EK + g % ST]),
                                                  (g // ST - 1) % 2)
-                        load(Ks, bars, kmap, j, g, FK, c[2], c[0])
+                        load(Ks, bars, kmap, j + c[6] // BK if mods.window else j, g, FK, c[2],
+                             c[0])
                         if g >= ST:
                             T.cuda.mbarrier_wait(T.address_of(bars[EV + g % ST]),
                                                  (g // ST - 1) % 2)
-                        load(Vs, bars, vmap, j, g, FV, c[2], c[0])
+                        load(Vs, bars, vmap, j + c[6] // BK if mods.window else j, g, FV, c[2],
+                             c[0])
                     c[5] = c[5] + c[4]
         else:  # ------------------------------------------------------------------ consumers
             T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)
@@ -575,12 +619,18 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             cw = T.meta_var(tx // WG - 1)  # consumer warpgroup
             lane = T.meta_var(tx % 32)
             row = T.meta_var(c[3] + cw * 64 + tx % WG // 32 * 16 + lane // 4)  # + 8 r
-            scale2 = T.meta_var(scale * T.float32(LOG2E))
+            scale2 = T.meta_var(T.float32(1) if rescored else scale * T.float32(LOG2E))
+            if mods.alibi:  # the query tile's slope (its head's), as ModArgs.slopes[0, 0]
+                sl = T.alloc_buffer((1, 1), F32, scope="local")
+            ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
+                                    softcap))
             elected = T.meta_var(tx % WG == 0)  # one thread per warpgroup arrives
             _desc(dq[0], T.address_of(Qs[0, cw * 64, 0]), 1, 8 * ROW, SW)
 
             for it in T.serial(mine):
-                locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk, ma)
+                if mods.alibi:
+                    sl[0, 0] = Slopes[c[0], c[1]]
                 for i in T.unroll(NO * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(2):
@@ -600,13 +650,13 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                     issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g, g, True, False)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), g, row, lane,
-                            scale2, elected, Lq, Lk, c)
+                            scale2, elected, Lq, Lk, c, scale, ma)
                     for j in T.serial(n - 1):
                         issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g + j + 1, g + j, True,
                               True)
                         T.ptx.wgmma.wait_group.sync.aligned(1)  # S done, P V may run on
                         softmax(s, p, acc, m, mn, msub, lsum, bars, j + 1, g + j + 1, row,
-                                lane, scale2, elected, Lq, Lk, c)
+                                lane, scale2, elected, Lq, Lk, c, scale, ma)
                     # every S is complete: the producer may load the next query tile
                     if elected:
                         T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
@@ -635,7 +685,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                             LSE[c[0], c[1], row + r * 8] = row_lse(m[r], lsum[r])
                 c[5] = c[5] + c[4]
 
-    return flash_fwd
+    return trim_params(flash_fwd, mods)
 
 
 def kernel(key: KernelKey, tile_override: HopperTile | None = None):
@@ -652,9 +702,10 @@ def kernel(key: KernelKey, tile_override: HopperTile | None = None):
     if chosen.persistent and key.op == "dkv":
         raise ValueError(f"{key.name}: tile {chosen}: dK/dV is not persistent")
     if chosen.dq and (key.op != "dkv" or key.head_dim != 128 or chosen.step != 64
-                      or chosen.consumers != 2 or chosen.split):
+                      or chosen.consumers != 2 or chosen.split or key.mods):
         raise ValueError(f"{key.name}: tile {chosen}: the fused dQ is written for dK/dV at D 128, "
-                         "64-query steps, two consumer warpgroups, not split")
+                         "64-query steps, two consumer warpgroups, not split, no score "
+                         "modifier")
     if chosen.smem_bytes(key.head_dim, key.op) > SMEM_LIMIT:
         raise ValueError(f"{key.name}: tile {chosen} needs "
                          f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "
@@ -690,6 +741,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     mbarrier lets the producer load the next Q and dO tiles once both consumers' last S and
     dP completed."""
     D, dtype, causal = key.head_dim, key.dtype, key.causal
+    mods = Mods(key.window, key.softcap, key.alibi)
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
     ATOM = atom(D)
@@ -734,26 +786,55 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         if do_dq:
             gemm_rs(mma_o, acc, NO * 4, dsw, dkt[0], BK // 16, ROW)
 
+    def prob(s, i, row, lane, k0, lse, scale, Lq, Lk, ma):
+        """P of element ``i`` of a complete S (``_prob``), of the modified score where the
+        kernel has a soft cap or ALiBi (``ma.slopes[0, 0]``: the tile's slope)."""
+        if not (mods.softcap or mods.alibi):
+            return _prob(s[i], scale, lse[i % 4 // 2], False)
+        score = modified_score(s[i], scale, mods, ma, causal, 0, 0, row + i % 4 // 2 * 8,
+                               k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq, Lk)
+        return exp2_clamped((score - lse[i % 4 // 2]) * T.float32(LOG2E))
+
     @T.macro
     def grads(s, dp, ds, acc, lse, delta, bars, j, g, row0, row, lane, elected, scale, Lq,
-              Lk, dq_in_flight: bool):
+              Lk, dq_in_flight: bool, c, ma):
         """S_j and dP_j (ring slot ``g``) are in flight (and dQ += dS_{j-1} K_{j-1} after
         them): P_j in place of S_j once S_j is complete, dS_j in place once dP_j is; once the
-        dQ product is complete, release slot g - 1 and round dS_j into the words it read."""
-        k0 = T.meta_var(j * BK)
-        T.ptx.wgmma.wait_group.sync.aligned(2 if dq_in_flight else 1)  # S_j done
-        pin(s, NS * 4)
-        for i in T.unroll(NS * 4):
-            s[i] = _prob(s[i], scale, lse[i % 4 // 2], False)
-        if _mask_needed(causal, row0, 64, k0, BK, Lk, Lq, Lk):
+        dQ product is complete, release slot g - 1 and round dS_j into the words it read.
+        Under a soft cap dS_j needs S_j itself (``1 - tanh^2``): both are awaited first and
+        dS_j made in one pass. Under a window every step is masked, its key tiles counted
+        from ``c[6]``."""
+        k0 = T.meta_var((j + c[6] // BK) * BK if mods.window else j * BK)
+        masked = T.meta_var(T.bool(True) if mods.window
+                            else _mask_needed(causal, row0, 64, k0, BK, Lk, Lq, Lk))
+        if mods.softcap:
+            T.ptx.wgmma.wait_group.sync.aligned(1 if dq_in_flight else 0)  # S_j, dP_j done
+            pin(s, NS * 4)
+            pin(dp, NS * 4)
             for i in T.unroll(NS * 4):
-                if not visible(causal, row + i % 4 // 2 * 8,
-                               k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq, Lk):
-                    s[i] = T.float32(0)
-        T.ptx.wgmma.wait_group.sync.aligned(1 if dq_in_flight else 0)  # dP_j done
-        pin(dp, NS * 4)
-        for i in T.unroll(NS * 4):
-            s[i] = s[i] * (dp[i] - delta[i % 4 // 2])
+                s[i] = (prob(s, i, row, lane, k0, lse, scale, Lq, Lk, ma)
+                        * (dp[i] - delta[i % 4 // 2]) * softcap_slope(s[i], scale, mods, ma))
+            if masked:
+                for i in T.unroll(NS * 4):
+                    if not visible(causal, row + i % 4 // 2 * 8,
+                                   k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq, Lk, None, mods,
+                                   ma):
+                        s[i] = T.float32(0)
+        else:
+            T.ptx.wgmma.wait_group.sync.aligned(2 if dq_in_flight else 1)  # S_j done
+            pin(s, NS * 4)
+            for i in T.unroll(NS * 4):
+                s[i] = prob(s, i, row, lane, k0, lse, scale, Lq, Lk, ma)
+            if masked:
+                for i in T.unroll(NS * 4):
+                    if not visible(causal, row + i % 4 // 2 * 8,
+                                   k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq, Lk, None, mods,
+                                   ma):
+                        s[i] = T.float32(0)
+            T.ptx.wgmma.wait_group.sync.aligned(1 if dq_in_flight else 0)  # dP_j done
+            pin(dp, NS * 4)
+            for i in T.unroll(NS * 4):
+                s[i] = s[i] * (dp[i] - delta[i % 4 // 2])
         if dq_in_flight:
             T.ptx.wgmma.wait_group.sync.aligned(0)  # dQ += dS_{j-1} K_{j-1} done
             pin(acc, NO * 4)
@@ -762,11 +843,12 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         for i in T.unroll(NS * 4):
             ds[i] = T.cast(s[i], dtype)
 
-    locate = _locator(causal, BM, BK, key.group)
+    locate = _locator(causal, BM, BK, key.group, mods)
 
     @T.prim_func
     def flash_dq(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
-                 delta_h: T.handle, dq_h: T.handle, scale: T.float32):
+                 delta_h: T.handle, dq_h: T.handle, scale: T.float32, slopes_h: T.handle,
+                 window_left: T.int64, window_right: T.int64, softcap: T.float32):
         T.func_attr({"global_symbol": "flash_dq", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         qb, qh, ql, kb, kh, kl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
@@ -779,6 +861,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
         dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype, strides=(ob, oh, ol, 1), align=16)
+        Slopes = T.match_buffer(slopes_h, (B, Hq), F32)
         _require_vector_rows("flash_dq", Q, K, V, dO, dQ)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
@@ -809,7 +892,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                              scope="shared.dyn")
         dQf = T.decl_buffer((B * ob,), dtype, data=dQ.data)
         # b, h, kv head, q0, key tiles of the row tile; ring slots used by the ones before
-        c = T.alloc_buffer((6,), "int64", scope="local")
+        c = T.alloc_buffer((7 if mods.window else 6,), "int64", scope="local")
         mine = T.meta_var(_mine(total, grid, bx, tile.persistent))
         if tx == 0:
             for i in T.unroll(NB):
@@ -823,7 +906,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0:
                 for it in T.serial(mine):
-                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk,
+                           ModArgs(Slopes, window_left, window_right, softcap))
                     # Q and dO are reloaded once both consumers' S and dP with them completed
                     if it > 0:
                         T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
@@ -847,11 +931,13 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                             T.address_of(bars[FULL + g % ST]), T.uint32(2 * kv_bytes))
                         for a in T.unroll(NA):
                             T.ptx[_TMA](T.address_of(Ks[g % ST, a, 0, 0]), T.address_of(kmap),
-                                        a * ATOM, T.cast(j * BK, "int32"),
+                                        a * ATOM, T.cast((j + c[6] // BK) * BK if mods.window
+                                                         else j * BK, "int32"),
                                         T.cast(c[2], "int32"), T.cast(c[0], "int32"),
                                         T.address_of(bars[FULL + g % ST]))
                             T.ptx[_TMA](T.address_of(Vs[g % ST, a, 0, 0]), T.address_of(vmap),
-                                        a * ATOM, T.cast(j * BK, "int32"),
+                                        a * ATOM, T.cast((j + c[6] // BK) * BK if mods.window
+                                                         else j * BK, "int32"),
                                         T.cast(c[2], "int32"), T.cast(c[0], "int32"),
                                         T.address_of(bars[FULL + g % ST]))
                     c[5] = c[5] + c[4]
@@ -874,12 +960,18 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             row0 = T.meta_var(c[3] + cw * 64)  # the warpgroup's first row
             row = T.meta_var(row0 + tx % WG // 32 * 16 + lane // 4)  # + 8 r
             elected = T.meta_var(tx % WG == 0)
+            if mods.alibi:  # the query tile's slope (its head's), as ModArgs.slopes[0, 0]
+                sl = T.alloc_buffer((1, 1), F32, scope="local")
+            ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
+                                    softcap))
 
             _desc(dqa[0], T.address_of(Qs[0, cw * 64, 0]), 1, 8 * ROW, SW)
             _desc(doa[0], T.address_of(dOs[0, cw * 64, 0]), 1, 8 * ROW, SW)
 
             for it in T.serial(mine):
-                locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk)
+                locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk, ma)
+                if mods.alibi:
+                    sl[0, 0] = Slopes[c[0], c[1]]
                 for i in T.unroll(NO * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(2):
@@ -898,12 +990,12 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                     issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, g, g, True,
                           False)
                     grads(s, dp, ds, acc, lse, delta, bars, T.int64(0), g, row0, row, lane,
-                          elected, scale, Lq, Lk, False)
+                          elected, scale, Lq, Lk, False, c, ma)
                     for j in T.serial(n - 1):
                         issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, g + j + 1,
                               g + j, True, True)
                         grads(s, dp, ds, acc, lse, delta, bars, j + 1, g + j + 1, row0, row,
-                              lane, elected, scale, Lq, Lk, True)
+                              lane, elected, scale, Lq, Lk, True, c, ma)
                     # every S and dP is complete: the producer may load the next Q and dO
                     if elected:
                         T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
@@ -926,7 +1018,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                                         acc[n * 4 + r * 2 + e] * scale, dtype)
                 c[5] = c[5] + c[4]
 
-    return flash_dq
+    return trim_params(flash_dq, mods)
 
 
 def flash_dkv(key: KernelKey, tile: HopperTile):
@@ -956,6 +1048,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     for P^T, and accumulates dK += dS^T Q. Four GEMMs a step as before, two per warpgroup, each
     thread holding D / 2 registers of sums."""
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
+    mods = Mods(key.window, key.softcap, key.alibi)  # the plain tile only (MODS_WRITTEN)
     BN, BQ, ST, NC, SPLIT = tile.rows, tile.step, tile.stages, tile.consumers, tile.split
     NT = tile.threads
     ATOM = atom(D)
@@ -985,20 +1078,36 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     qt_ldo, qt_sdo = BQ * ROW, 8 * ROW  # Q and dO read MN-major (dK += dS^T Q, dV += P^T dO)
     regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
 
+    def prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma):
+        """P^T of element ``e`` (``_prob``), of the modified score where the kernel has a soft
+        cap or ALiBi (``ma.slopes[0, 0]``: the step's query head's slope)."""
+        lse = stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2]
+        if not (mods.softcap or mods.alibi):
+            return _prob(st[e], scale, lse, False)
+        score = modified_score(st[e], scale, mods, ma, causal, 0, 0,
+                               q0 + e // 4 * 8 + lane % 4 * 2 + e % 2, key_row + e % 4 // 2 * 8,
+                               Lq, Lk)
+        return exp2_clamped((score - lse) * T.float32(LOG2E))
+
     @T.macro
-    def probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk):
+    def probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc):
         """P^T of a complete S^T: rounded to the input dtype (``p``, and as float in ``st``),
-        0 where the causal mask hides the key."""
+        0 where the causal mask (or the window) hides the key; under a soft cap its slope
+        ``1 - tanh^2`` of S^T into ``sc`` first (dS^T needs it)."""
         # element e: key row ``key_row + e % 4 // 2 * 8``, query column ``q0 + col(e)``
+        if mods.softcap:
+            for e in T.unroll(NS * 4):
+                sc[e] = softcap_slope(st[e], scale, mods, ma)
         for e in T.unroll(NS * 4):
-            st[e] = T.cast(T.cast(_prob(st[e], scale,
-                                        stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2], False),
-                                  dtype), F32)
-        # the columns past Lq need no mask (LSE +inf there): only the causal diagonal
-        if _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq, Lk, transposed=True):
+            st[e] = T.cast(T.cast(prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk,
+                                         ma), dtype), F32)
+        # the columns past Lq need no mask (LSE +inf there): only the causal diagonal (and,
+        # under a window, both its edges: every step)
+        if T.bool(True) if mods.window else _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq,
+                                                         Lk, transposed=True):
             for e in T.unroll(NS * 4):
                 if not visible(causal, q0 + e // 4 * 8 + lane % 4 * 2 + e % 2,
-                               key_row + e % 4 // 2 * 8, Lq, Lk):
+                               key_row + e % 4 // 2 * 8, Lq, Lk, None, mods, ma):
                     st[e] = T.float32(0)
         for e in T.unroll(NS * 4):
             p[e] = T.cast(st[e], dtype)
@@ -1027,7 +1136,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         gemm_ss(mma_s, st, NS * 4, ka[0], BN, bq[0], BQ, D // 16, KA, ROW)
         T.ptx.wgmma.wait_group.sync.aligned(0)
         pin(st, NS * 4)
-        probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk)
+        probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, None, None)
         pin_u32(pw, NW)
         for j in T.unroll(NW):  # the dK warpgroup's thread t holds the same elements of dP^T
             slots[sg, j, t] = pw[j]
@@ -1057,7 +1166,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
 
     @T.macro
     def step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo, bqt,
-             bdot, i, q0, key_row, row0, lane, scale, Lq, Lk):
+             bdot, i, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc):
         """One query tile (step ``i``, rows from ``q0``): dV += P^T dO, dK += dS^T Q."""
         sg = T.meta_var(i % ST)
         _desc(bq[0], T.address_of(Qs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
@@ -1072,7 +1181,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         gemm_ss(mma_s, dpt, NS * 4, va[0], BN, bdo[0], BQ, D // 16, KA, ROW)
         T.ptx.wgmma.wait_group.sync.aligned(1)  # S^T done
         pin(st, NS * 4)
-        probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk)
+        probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc)
         pin_u32(pw, NS * 2)
         pin(dv, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
@@ -1080,8 +1189,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         T.ptx.wgmma.wait_group.sync.aligned(1)  # dP^T done; dV += P^T dO may run on
         pin(dpt, NS * 4)
         for e in T.unroll(NS * 4):
-            ds[e] = T.cast(st[e] * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2]),
-                           dtype)
+            ds[e] = T.cast(st[e] * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2])
+                           * (sc[e] if mods.softcap else T.float32(1)), dtype)
         pin_u32(dsw, NS * 2)
         pin(dk, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
@@ -1104,9 +1213,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
 
     @T.macro
     def advance(w, c, Lq):
-        """The next step: the next query tile, or the next head's first one."""
+        """The next step: the next query tile, or the next head's first one (under a window,
+        the head's tiles end at ``c[3] + c[4]``)."""
         w[0] = w[0] + BQ
-        if w[0] >= Lq:
+        if w[0] >= ((c[3] + c[4]) * BQ if mods.window else Lq):
             w[0] = c[3] * BQ
             w[1] = w[1] + 1
 
@@ -1179,7 +1289,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             gemm_ss(mma_s, dpt, NS * 4, va[0], BN, bdo[0], BQ, D // 16, KA, ROW)
             T.ptx.wgmma.wait_group.sync.aligned(1)  # S^T done
             pin(st, NS * 4)
-            probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk)
+            probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, None, None)
             pin_u32(pw, NS * 2)
             pin(dv, NO * 4)
             T.ptx.wgmma.fence.sync.aligned()
@@ -1420,7 +1530,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     @T.prim_func
     def flash_dkv(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle,
                   lse_h: T.handle, delta_h: T.handle, dk_h: T.handle, dv_h: T.handle,
-                  scale: T.float32):
+                  scale: T.float32, slopes_h: T.handle, window_left: T.int64,
+                  window_right: T.int64, softcap: T.float32):
         T.func_attr({"global_symbol": "flash_dkv", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         qb, qh, ql, kb, kh, kl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
@@ -1435,6 +1546,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
         dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype, strides=(kob, koh, kol, 1), align=16)
         dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype, strides=(vob, voh, vol, 1), align=16)
+        Slopes = T.match_buffer(slopes_h, (B, Hq), F32)
         _require_vector_rows("flash_dkv", Q, K, V, dO, dK, dV)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BQ, SW)
@@ -1476,8 +1588,14 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         c[2] = t * BN  # causal: the keys seen by the most queries first
         c[0] = bh // Hkv
         c[1] = bh % Hkv
-        c[3] = first_query_tile(causal, c[2], Lq, Lk, BQ)
-        c[4] = T.ceildiv(Lq, BQ) - c[3]
+        c[3] = first_query_tile(causal, c[2], Lq, Lk, BQ, TILED, mods,
+                                ModArgs(Slopes, window_left, window_right, softcap))
+        if mods.window:  # the tiles up to the window's left edge seen from the last key
+            c[4] = T.max(query_tiles_end(Lq, Lk, BQ, BN, c[2], causal, TILED, mods,
+                                         ModArgs(Slopes, window_left, window_right, softcap))
+                         - c[3], T.int64(0))
+        else:
+            c[4] = T.ceildiv(Lq, BQ) - c[3]
         c[5] = c[4] * group
         if tx == 0:
             for i in T.unroll(NB):
@@ -1539,6 +1657,12 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             bdo = T.alloc_buffer((1,), "uint64", scope="local")
             bqt = T.alloc_buffer((1,), "uint64", scope="local")
             bdot = T.alloc_buffer((1,), "uint64", scope="local")
+            if mods.softcap:  # S^T's 1 - tanh^2, for dS^T
+                sc = T.alloc_buffer((NS * 4,), F32, scope="local")
+            if mods.alibi:  # the step's query head's slope, as ModArgs.slopes[0, 0]
+                sl = T.alloc_buffer((1, 1), F32, scope="local")
+            ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
+                                    softcap))
             cw = T.meta_var(tx // WG - 1)
             lane = T.meta_var(tx % 32)
             row0 = T.meta_var(c[2] + (0 if SPLIT else cw * 64))  # the warpgroup's first key
@@ -1580,14 +1704,17 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                 T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
                 first(w, c)
                 for i in T.serial(c[5]):
+                    if mods.alibi:
+                        sl[0, 0] = Slopes[c[0], w[1]]
                     step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo,
-                         bqt, bdot, i, w[0], key_row, row0, lane, scale, Lq, Lk)
+                         bqt, bdot, i, w[0], key_row, row0, lane, scale, Lq, Lk, ma,
+                         sc if mods.softcap else None)
                     advance(w, c, Lq)
             if not SPLIT:
                 store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk)
                 store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk)
 
-    return flash_dkv
+    return trim_params(flash_dkv, mods)
 
 
 KERNELS = {"fwd": flash_forward, "dq": flash_dq, "dkv": flash_dkv}

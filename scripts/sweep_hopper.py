@@ -17,7 +17,9 @@ B·N = 16k tokens, hidden 2048, side by side in the same process with:
   (the 5-GEMM backward: dQ added in key-tile order into a float32 accumulator, see
   ``cuda_hopper.flash_dkv``) is checked for dQ too, for bitwise-equal results on three runs,
   and timed with its accumulator's zeroing and conversion, 5 GEMMs = 10 B H N^2 D: compare
-  it with the default tiles' dq + dkv.
+  it with the default tiles' dq + dkv. ``--mods window,softcap+alibi`` adds keys with those
+  score modifiers (window (37, 5), cap 5, random slopes; checked against the reference with
+  the same; ``cuda_hopper.MODS_WRITTEN``).
 
     python scripts/sweep_hopper.py --head-dims 64,128 --dtypes bf16 --out results.json
     python scripts/sweep_hopper.py --ops dq,dkv --head-dims 64,128 --dtypes bf16,fp16 \
@@ -92,22 +94,41 @@ def _load(so, code, sha, op):
     return tvm_ffi.load_module(so)[SYMBOL[op]]
 
 
-def _reference(q, k, v, causal, scale, sinks):
+WINDOW, CAP = (37, 5), 5.0  # the score modifiers' values a sweep checks with
+
+
+def _mods(key, q, k):
+    """The key's score modifiers for a check: the kernel's trailing arguments
+    (``tvm_flash.opspec.MOD_ARGS``) and the reference's keyword arguments."""
+    import torch
+
+    if not key.mods:
+        return (), {}
+    b, hq, lq, _ = q.shape
+    lk = k.shape[2]
+    slopes = torch.rand(b, hq, device=q.device) * 0.3
+    ref = {"window": WINDOW if key.window else None, "softcap": CAP if key.softcap else 0.0,
+           "alibi_slopes": slopes if key.alibi else None}
+    left, right = (min(w, lq + lk) for w in WINDOW) if key.window else (lq + lk, lq + lk)
+    return (slopes, left, right, CAP if key.softcap else 1.0), ref
+
+
+def _reference(q, k, v, causal, scale, sinks, **mods):
     from tvm_flash import attention_reference
 
     return attention_reference(q.double(), k.double(), v.double(), causal=causal, scale=scale,
                                sinks=None if sinks is None else sinks.double(),
-                               dtype=__import__("torch").float64)
+                               dtype=__import__("torch").float64, **mods)
 
 
-def _run(fn, q, k, v, sinks, scale):
+def _run(fn, q, k, v, sinks, scale, extra=()):
     import torch
 
     b, hq, lq, d = q.shape
     out = torch.full_like(q, float("nan"))
     lse = torch.full((b, hq, lq), float("nan"), dtype=torch.float32, device=q.device)
     sk = sinks if sinks is not None else torch.zeros(hq, device=q.device)
-    fn(q, k, v, sk, out, lse, scale)
+    fn(q, k, v, sk, out, lse, scale, *extra)
     return out, lse
 
 
@@ -146,11 +167,12 @@ def check(fn, key, device, strided: bool = True, fused: bool = False) -> tuple[b
     for b, hkv, lq, lk, layout, q, k, v in _cases(key, device, strided):
         sinks = torch.randn(q.shape[1], device=device) if key.sinks else None
         scale = 1 / math.sqrt(key.head_dim)
-        out, lse = _run(fn, q, k, v, sinks, scale)
-        ref, ref_lse = _reference(q, k, v, key.causal, scale, sinks)
+        extra, mods = _mods(key, q, k)
+        out, lse = _run(fn, q, k, v, sinks, scale, extra)
+        ref, ref_lse = _reference(q, k, v, key.causal, scale, sinks, **mods)
         lowp, _ = (__import__("tvm_flash").attention_reference(
             q.float(), k.float(), v.float(), causal=key.causal, scale=scale,
-            sinks=sinks, dtype=torch.float32))
+            sinks=sinks, dtype=torch.float32, **mods))
         lowp = lowp.to(dtype)
         err = (out.double() - ref).abs().max().item()
         base = (lowp.double() - ref).abs().max().item()
@@ -167,14 +189,14 @@ def check(fn, key, device, strided: bool = True, fused: bool = False) -> tuple[b
     return ok, f"max out err {worst:.3g}"
 
 
-def _grads(q, k, v, do, causal, scale, dtype):
+def _grads(q, k, v, do, causal, scale, dtype, **mods):
     """Output, LSE and (dq, dk, dv) of ``attention_reference`` computed in ``dtype``."""
     import torch
 
     from tvm_flash import attention_reference
 
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    out, lse = attention_reference(*leaves, causal=causal, scale=scale, dtype=dtype)
+    out, lse = attention_reference(*leaves, causal=causal, scale=scale, dtype=dtype, **mods)
     grads = torch.autograd.grad(out, leaves, do.to(dtype))
     return out.detach(), lse.detach(), grads
 
@@ -190,14 +212,15 @@ def _fused_workspace(q):
             torch.zeros(b, hq, tiles, dtype=torch.int32, device=q.device))
 
 
-def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout, fused: bool = False):
+def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout, fused: bool = False,
+                  extra=()):
     """Call the dq or dkv kernel on NaN-poisoned outputs (in ``layout``); its gradients
     (``fused``: dq, dk, dv from the 5-GEMM dK/dV)."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     if op == "dq":
         dq = _tensor(b, hq, lq, d, q.dtype, q.device, layout, float("nan"))
-        fn(q, k, v, do, lse, delta, dq, scale)
+        fn(q, k, v, do, lse, delta, dq, scale, *extra)
         return (dq,)
     dk = _tensor(b, hkv, lk, d, q.dtype, q.device, layout, float("nan"))
     dv = _tensor(b, hkv, lk, d, q.dtype, q.device, layout, float("nan"))
@@ -205,7 +228,7 @@ def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout, fused: bool = 
         acc, sem = _fused_workspace(q)
         fn(q, k, v, do, lse, delta, dk, dv, scale, acc, sem)
         return (acc[:, :, :lq] * scale).to(q.dtype), dk, dv
-    fn(q, k, v, do, lse, delta, dk, dv, scale)
+    fn(q, k, v, do, lse, delta, dk, dv, scale, *extra)
     return dk, dv
 
 
@@ -223,11 +246,12 @@ def check_backward(fn, key, device, strided: bool = True,
     for b, hkv, lq, lk, layout, q, k, v in _cases(key, device, strided):
         do = _tensor(*q.shape[:3], key.head_dim, dtype, device, layout)
         scale = 1 / math.sqrt(key.head_dim)
-        out, lse, exact = _grads(q, k, v, do, key.causal, scale, torch.float64)
-        _, _, lowp = _grads(q, k, v, do, key.causal, scale, dtype)
+        extra, mods = _mods(key, q, k)
+        out, lse, exact = _grads(q, k, v, do, key.causal, scale, torch.float64, **mods)
+        _, _, lowp = _grads(q, k, v, do, key.causal, scale, dtype, **mods)
         delta = (do.double() * out).sum(-1).float().contiguous()
         ours = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), delta,
-                             scale, layout, fused)
+                             scale, layout, fused, extra)
         if fused:
             for _ in range(2):
                 again = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), delta,
@@ -328,6 +352,9 @@ def main(argv=None) -> int:
     p.add_argument("--seqlens", default="4096", help="timed lengths ('' : check only)")
     p.add_argument("--mma", action="store_true",
                    help="also check and time the mma.sync kernels (cuda-sm_90 keys)")
+    p.add_argument("--mods", default="",
+                   help="also score modifiers: comma-separated combinations of window, "
+                        "softcap, alibi joined by '+' (checked, not timed)")
     p.add_argument("--jobs", type=int, default=os.cpu_count())
     p.add_argument("--sass", action="store_true", help="count HGMMA/HMMA in each variant's SASS")
     p.add_argument("--out", default=None)
@@ -345,6 +372,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)  # the same inputs on every run: a failure can be reproduced
 
     tiles = json.loads(args.tiles)
+    combos = [dict.fromkeys(c.split("+"), True) for c in args.mods.split(",") if c]
     jobs = []
     for op, d, dt, causal, g in itertools.product(
             args.ops.split(","), [int(x) for x in args.head_dims.split(",")],
@@ -361,6 +389,10 @@ def main(argv=None) -> int:
             else:
                 chosen = tiles
             jobs += [(key, t) for t in chosen]
+            for combo in combos if not sinks else ():
+                modded = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90a", **combo)
+                if cuda_hopper.writes(modded):
+                    jobs.append((modded, None))
             mma = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90")
             if args.mma and not sinks and g == 1 and cuda_mma.supports(mma):
                 jobs.append((mma, None))
@@ -394,7 +426,7 @@ def main(argv=None) -> int:
             fn = _load(*files)
             row["ok"], row["check"] = check(fn, key, device, strided=key.target != "cuda-sm_90",
                                             fused=fused)
-            if row["ok"] and not key.sinks and key.group == 1:
+            if row["ok"] and not key.sinks and key.group == 1 and not key.mods:
                 for n in seqlens:
                     row[f"n{n}"] = (timing(fn, key, n, device) if key.op == "fwd"
                                     else timing_backward(fn, key, n, device, fused))

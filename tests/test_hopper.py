@@ -35,6 +35,12 @@ KEYS += [KernelKey(op, d, dt, causal, g, "cuda-sm_90a")
                                         ("bfloat16", "none", 1), ("float16", "bottom-right", 2)))]
 KEYS += [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a")
          for op in ("dq", "dkv") for d in hopper.OP_HEAD_DIMS[op] if d not in (64, 128)]
+# score modifiers (written, not served yet): each op with all three, the window alone
+MOD_KEYS = [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a", **mods)
+            for op, d, mods in itertools.product(
+                ("fwd", "dq", "dkv"), (64, 128),
+                ({"window": True}, {"window": True, "softcap": True, "alibi": True}))]
+KEYS += MOD_KEYS
 
 
 @functools.cache
@@ -186,3 +192,14 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
                    for d in hopper.OP_HEAD_DIMS["dkv"])
     with pytest.raises(ValueError, match="fused dQ"):
         hopper.kernel(KernelKey("dkv", 64, "bfloat16", causal, 1, "cuda-sm_90a"), FUSED)
+
+
+def test_score_modifiers_are_written_not_served():
+    """Hopper kernels with window, soft cap and ALiBi exist (the sweep checks them on a GPU)
+    but nothing runs them until they have passed there: the CUDA schedule takes the SIMT
+    kernels for such keys, and ``tvm_flash.ops`` refuses fp16/bf16 ones before that."""
+    for key in MOD_KEYS:
+        assert hopper.writes(key) and not hopper.supports(key), key.name
+        assert not schedules.lowers("cuda", key), key.name
+    split = KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a", softcap=True)
+    assert not hopper.writes(split)  # the split tile has no modifiers yet
