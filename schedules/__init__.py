@@ -26,10 +26,20 @@ def for_target(kind: str):
     return getattr(module, "SCHEDULE", module)
 
 
-def lowered(kind: str, key):
-    """The hand-lowered kernel of ``key`` on a target kind, or None (see the module doc)."""
+def lowered(kind: str, key, variant: dict | None = None):
+    """The hand-lowered kernel of ``key`` on a target kind, or None (see the module doc);
+    ``variant``: one of :func:`variants` (default: the schedule's own choice)."""
     hook = getattr(for_target(kind), "lowered", None)
-    return hook(key) if hook else None
+    if hook is None:
+        return None
+    return hook(key, variant) if variant else hook(key)
+
+
+def variants(kind: str, key) -> list[dict]:
+    """The variants of a hand-lowered kernel a tuner may measure, default first (empty where
+    the schedule offers none)."""
+    hook = getattr(for_target(kind), "variants", None)
+    return hook(key) if hook else []
 
 
 def lowers(kind: str, key) -> bool:

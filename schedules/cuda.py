@@ -13,6 +13,8 @@ v3, v4) was removed with them: on sm_80+ it no longer served any kernel.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tvm_flash.key import KernelKey
 
 from . import cuda_hopper, cuda_mma, gpu
@@ -24,11 +26,22 @@ class CudaSchedule(gpu.GpuSchedule):
     def lowers(self, key: KernelKey) -> bool:
         return cuda_hopper.supports(key) or cuda_mma.supports(key)
 
-    def lowered(self, key: KernelKey):
-        """The hand-lowered PrimFunc for ``key``, or None where the factory is scheduled."""
+    def lowered(self, key: KernelKey, variant: dict | None = None):
+        """The hand-lowered PrimFunc for ``key``, or None where the factory is scheduled;
+        ``variant``: the fields of one of :meth:`variants` (a tuning log's choice)."""
         if cuda_hopper.supports(key):
-            return cuda_hopper.kernel(key)
+            return cuda_hopper.kernel(key, cuda_hopper.HopperTile(**variant) if variant
+                                      else None)
+        if variant:
+            raise ValueError(f"{key.name}: the mma.sync kernels have no tuned variants yet")
         return cuda_mma.kernel(key) if cuda_mma.supports(key) else None
+
+    def variants(self, key: KernelKey) -> list[dict]:
+        """The variants of a hand-lowered kernel a tuner may measure (the default first), as
+        the fields of their tiles; none for the ``mma.sync`` kernels yet."""
+        if cuda_hopper.supports(key):
+            return [dataclasses.asdict(t) for t in cuda_hopper.variants(key)]
+        return []
 
     def pipeline(self, key: KernelKey) -> str | None:
         """TVM's lowering pipeline: the Hopper kernels are written in TIRx's device-region

@@ -55,6 +55,7 @@ ROW`` (16 rows).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from tvm.script import tirx as T
 
@@ -688,12 +689,43 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     return trim_params(flash_fwd, mods)
 
 
+def variants(key: KernelKey) -> list[HopperTile]:
+    """The tiles a tuner may measure for ``key`` (``tvm_flash.tuning.tune_variants``), its
+    default (:func:`tile`) first: every step of 32-192 rows in 16-row multiples the tile's
+    other side allows, two or three stages, persistent or not (forward and dQ) — each one
+    :func:`kernel` accepts (shared memory, shape rules). Registers are not checked: a variant
+    that spills measures slow. The fused dQ tile is not among them (another calling
+    convention); keys with score modifiers have none (their arguments are not tensors)."""
+    default = tile(key)
+    if key.mods:
+        return []
+    found = [default]
+    persistent = (False, True) if key.op != "dkv" else (False,)
+    for step, stages, pers in itertools.product((32, 64, 96, 128, 160, 192), (2, 3),
+                                                persistent):
+        candidate = dataclasses.replace(default, step=step, stages=stages, persistent=pers)
+        if candidate in found:
+            continue
+        try:
+            _check(key, candidate)
+        except ValueError:
+            continue
+        found.append(candidate)
+    return found
+
+
 def kernel(key: KernelKey, tile_override: HopperTile | None = None):
     """The PrimFunc of ``key`` (a key this module :func:`writes`; the sweep builds unserved
     ones too)."""
+    chosen = tile_override or tile(key)
+    _check(key, chosen)
+    return KERNELS[key.op](key, chosen)
+
+
+def _check(key: KernelKey, chosen: HopperTile) -> None:
+    """Refuse a key this module does not write, or a tile it cannot build for it."""
     if not writes(key):
         raise ValueError(f"{key.name}: not a Hopper kernel key")
-    chosen = tile_override or tile(key)
     if chosen.step % 16:
         raise ValueError(f"{key.name}: tile {chosen}: the step must be a multiple of 16 rows")
     if chosen.split and (key.op != "dkv" or chosen.consumers != 2):
@@ -710,7 +742,6 @@ def kernel(key: KernelKey, tile_override: HopperTile | None = None):
         raise ValueError(f"{key.name}: tile {chosen} needs "
                          f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "
                          f"more than {SMEM_LIMIT}")
-    return KERNELS[key.op](key, chosen)
 
 
 # --------------------------------------------------------------------------------- backward

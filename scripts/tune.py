@@ -3,11 +3,16 @@
 
 The search space is the explicit schedule itself (tiles that fit, GEMM thread grids, sampled
 unroll); MetaSchedule's xgboost cost model and evolutionary search choose what to measure on the
-local device. Logs go to ``tuning_logs/<target>/<kernel key>/`` and a rerun resumes from them;
+local device. Kernels written out at warp level are tuned over their variants where their
+schedule offers some (the Hopper kernels' tiles: ``tvm_flash.tuning.tune_variants``), each
+variant a workload, the xgboost model choosing which to measure next; ``mma.sync`` kernels are
+skipped. Logs go to ``tuning_logs/<target>/<kernel key>/`` and a rerun resumes from them;
 ``scripts/build.py`` applies them on any machine, GPU or not.
 
     python scripts/tune.py --target cuda:sm_90 --kernels fwd,dq,dkv --head-dims 64,128 \\
         --dtypes bf16 --trials 256 --time-budget 20m
+    python scripts/tune.py --target cuda:sm_90a --kernels fwd,dq,dkv --head-dims 64,128 \\
+        --dtypes bf16 --causal none,top-left --trials 12   # Hopper variants (an H100/H200)
     python scripts/tune.py --target metal --dry-run      # space generation + build, no GPU
 """
 
@@ -75,12 +80,16 @@ def main(argv=None) -> int:
             print(f"time budget spent: {len(keys) - i + 1} kernels not tuned")
             break
         print(f"[{i}/{len(keys)}] {key.name}", flush=True)
-        if schedules.lowers(target_kind(key.target), key):
+        kind = target_kind(key.target)
+        lowered = schedules.lowers(kind, key)
+        if lowered and not schedules.variants(kind, key):
             print(f"  skipped: written out at warp level for {key.target} "
-                  "(schedules/cuda_mma.py), nothing to tune", flush=True)
+                  "(schedules/cuda_mma.py) with no variants, nothing to tune", flush=True)
             continue
         if args.dry_run:
             tuning.dry_run(key)
+        elif lowered:  # its variants as workloads, xgboost choosing which to measure
+            tuning.tune_variants(key, args.logs, args.trials, keep_top=args.keep_top)
         else:
             tuning.tune(key, args.logs, args.trials, max_tiles=args.max_tiles,
                         keep_top=args.keep_top)

@@ -146,3 +146,79 @@ def test_warp_level_kernels_are_not_tuned(tmp_path):
                           "bf16", "--causal", "none", "--dry-run"], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "skipped: written out at warp level" in res.stdout
+
+
+HOPPER = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")  # 7 variants
+
+
+def test_hopper_variants_dry_run():
+    """The Hopper kernels are tuned over their variants (tiles); on a machine without the GPU
+    every variant's workload is built as the tuner would build it."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target",
+                          "cuda:sm_90a", "--kernels", "dkv", "--head-dims", "128", "--dtypes",
+                          "bf16", "--causal", "none", "--dry-run"], capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"{len(tvm_flash.build.schedules.variants('cuda', HOPPER))} variants built" in res.stdout
+
+
+def test_variant_tuning_loop(tmp_path, monkeypatch):
+    """The variant tuner's loop — first batch the default and a seeded draw, then the variants
+    the xgboost model ranks fastest, records in MetaSchedule's database, resume, summary, and
+    build.py's use of the log — with MetaSchedule's builder and runner replaced by stand-ins
+    (a CPU cannot run these kernels): each variant "takes" a time set by its step and stages,
+    so the loop must find the fastest. Nothing here is a measurement; no log is kept."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_flash.build import schedules
+
+    found = schedules.variants("cuda", HOPPER)
+    time_of = {i: 1e-3 * (1 + abs(v["step"] - 96) / 96 + 0.1 * (v["stages"] == 3))
+               for i, v in enumerate(found)}
+    fastest = min(time_of, key=time_of.get)
+
+    class Builder:
+        def __init__(self, **_):
+            pass
+
+        def build(self, inputs):
+            return [ms.builder.BuilderResult(str(found.index(_variant_of(i.mod))), None)
+                    for i in inputs]
+
+    class Future:
+        def __init__(self, secs):
+            self.secs = secs
+
+        def result(self):
+            return ms.runner.RunnerResult([tvm_flash.tuning.tvm.runtime.convert(self.secs)],
+                                          None)
+
+    class Runner:
+        def run(self, inputs):
+            return [Future(time_of[int(i.artifact_path)]) for i in inputs]
+
+    workloads = {}
+
+    def _variant_of(mod):
+        return workloads[tvm_flash.tuning.tvm_ffi.structural_hash(mod)]
+
+    for v in found:
+        workloads[tvm_flash.tuning.tvm_ffi.structural_hash(
+            tuning.variant_workload(HOPPER, v))] = v
+    monkeypatch.setattr(ms.builder, "LocalBuilder", Builder)
+    monkeypatch.setattr(ms.runner, "LocalRunner", Runner)
+    summary = tuning.tune_variants(HOPPER, tmp_path, trials=len(found), batch=3)
+    assert summary["measured"] == len(found) and summary["variants"] == len(found)
+    assert summary["best"]["variant"] == found[fastest]
+    directory = tuning.log_dir(tmp_path, HOPPER)
+    records = (directory / "database_tuning_record.json").read_text().splitlines()
+    assert records and len(records) <= 2 * len(found)
+    # resume: nothing left to measure within the same budget
+    again = tuning.tune_variants(HOPPER, tmp_path, trials=len(found), batch=3)
+    assert again["best"] == summary["best"]
+    tuned = tuning.load_tuned(tmp_path, HOPPER)
+    assert tuned["variant"] == found[fastest]
+    chosen = schedules.lowered("cuda", HOPPER, found[fastest])
+    assert tvm_flash.tuning.tvm_ffi.structural_equal(scheduled_module(HOPPER, tuned)["main"],
+                                                     chosen)
+    assert tvm_flash.build.fingerprint(HOPPER, tuned) != tvm_flash.build.fingerprint(HOPPER)

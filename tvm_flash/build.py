@@ -33,14 +33,15 @@ def scheduled_module(key: KernelKey, tuned: dict | None = None) -> tvm.IRModule:
     ``tuned``: ``{"tile": [block_q, block_k], "decisions": {...}}`` from a tuning log
     (:func:`tvm_flash.tuning.load_tuned`); default: the hand-chosen tile and decisions. Where
     the target's schedule writes the kernel out itself (``schedules.lowered``) that kernel is
-    used as it is.
+    used as it is, or the variant a tuning log chose (``{"variant": {...}}``).
     """
     kind = target_kind(key.target)
-    func = schedules.lowered(kind, key)
-    if func is not None:
-        if tuned:
-            raise ValueError(f"{key.name}: a hand-lowered kernel; tuning logs do not apply")
-        return tvm.IRModule({"main": func})
+    if schedules.lowers(kind, key):
+        if tuned and "variant" not in tuned:
+            raise ValueError(f"{key.name}: a hand-lowered kernel; a tile log does not apply")
+        return tvm.IRModule({"main": schedules.lowered(kind, key, (tuned or {}).get("variant"))})
+    if tuned and "variant" in tuned:
+        raise ValueError(f"{key.name}: scheduled from its factory; a variant log does not apply")
     sched = schedules.for_target(kind)
     tile = TileConfig(*tuned["tile"]) if tuned else sched.tile_config(key)
     sch = tvm.s_tir.Schedule(FACTORIES[key.op](key, tile))
@@ -59,6 +60,8 @@ def fingerprint(key: KernelKey, tuned: dict | None = None) -> str:
     """
     if not tuned:
         return _default_fingerprint(key)
+    if "variant" in tuned:
+        return _digest(key, f"variant:{sorted(tuned['variant'].items())}")
     choice = f"tuned:{tuned['tile']}:{sorted(tuned['decisions'].items())}"
     return _digest(key, choice)
 

@@ -15,9 +15,15 @@ workload IR itself, ~300 KB per tile, is regenerated from the key when a run res
 ``summary.json`` (the best choice, its time, trials, date, device, versions).
 ``scripts/build.py`` uses ``summary.json`` after checking the whole log (:func:`load_tuned`).
 
-Kernels a target's schedule writes out itself (CUDA's warp-level ``mma.sync`` kernels,
-``schedules.lowers``) have no factory to search around: tuning refuses them and a log for one is
-refused.
+Kernels a target's schedule writes out itself (``schedules.lowers``) have no factory to search
+around. Where the schedule offers *variants* of one (``schedules.variants``: the Hopper kernels'
+tiles — step, stages, persistence), each variant is a MetaSchedule workload whose design space
+is the kernel as written (:func:`tune_variants`): MetaSchedule's builder compiles them, its
+runner times them, every measurement is a record in its database, and its xgboost cost model,
+trained on the variants measured so far (MetaSchedule's per-store features of their IR), picks
+which to measure next; the summary says how well its ranking predicted the measured order.
+Kernels without variants (CUDA's ``mma.sync`` kernels, for now) are refused, and so is a log
+for one.
 
 Lengths: kernels take every length symbolically; tuning measures one representative shape per
 length bucket. There is one bucket for now, ``any`` (GPU: B = 2, 16 query heads,
@@ -83,11 +89,20 @@ def tuning_target(tag: str) -> tvm.target.Target:
 def workload(key: KernelKey, tile: TileConfig, shape: dict | None = None) -> tvm.IRModule:
     """The kernel with batch, heads, lengths and scale fixed to a representative instance
     (MetaSchedule measures concrete shapes and takes no scalar arguments)."""
+    return _specialized(FACTORIES[key.op](key, tile), key, shape)
+
+
+def variant_workload(key: KernelKey, variant: dict, shape: dict | None = None) -> tvm.IRModule:
+    """A hand-lowered kernel's variant (``schedules.variants``), shapes and scale fixed as
+    :func:`workload`'s."""
+    return _specialized(schedules.lowered(target_kind(key.target), key, variant), key, shape)
+
+
+def _specialized(func, key: KernelKey, shape: dict | None) -> tvm.IRModule:
     shape = shape or BUCKETS["any"]["cpu" if key.target == "llvm" else "gpu"]
     hq = shape["Hq"]
     dims = {"B": shape["B"], "Hq": hq, "H": hq, "Hkv": max(1, hq // key.group),
             "Lq": shape["L"], "Lk": shape["L"], "L": shape["L"]}
-    func = FACTORIES[key.op](key, tile)
     fixed = {}
     for param in func.params:
         try:
@@ -218,10 +233,17 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
     return summary
 
 
-def _refuse_lowered(key: KernelKey) -> None:
-    if schedules.lowers(target_kind(key.target), key):
-        raise TuningLogError(f"{key.name}: written out at warp level by the {key.target} schedule "
-                             "(schedules/cuda_mma.py); there is no search space to tune")
+def _refuse_lowered(key: KernelKey, variants_ok: bool = False) -> None:
+    """Refuse a hand-lowered key: every one for the factory path, those without variants
+    (``schedules.variants``) for the variant path too."""
+    kind = target_kind(key.target)
+    if not schedules.lowers(kind, key):
+        return
+    if variants_ok and schedules.variants(kind, key):
+        return
+    raise TuningLogError(f"{key.name}: written out at warp level by the {key.target} schedule "
+                         "(schedules/cuda_mma.py) and offering no variants: there is no search "
+                         "space to tune")
 
 
 def _workload_index(path: pathlib.Path, key: KernelKey, shape: dict | None) -> list[dict]:
@@ -295,18 +317,24 @@ def load_tuned(root: str | os.PathLike, key: KernelKey) -> dict | None:
 
     Refuses (:class:`TuningLogError`) a log that is corrupt, names another key or target, holds
     a record measured for another target kind or arch, was made by another TVM version, or
-    picks a tile this target cannot hold. Returns ``{"tile", "decisions", "digest"}``.
+    picks a tile this target cannot hold (or a variant its kernel does not have). Returns
+    ``{"tile", "decisions", "digest"}``, for a hand-lowered kernel ``{"variant", "digest"}``.
     """
     directory = log_dir(root, key)
     summary_path = directory / SUMMARY
     if not summary_path.exists():
         return None
-    _refuse_lowered(key)
+    kind = target_kind(key.target)
+    lowered = schedules.lowers(kind, key)
+    _refuse_lowered(key, variants_ok=True)
     try:
         summary = json.loads(summary_path.read_text())
         best = summary["best"]
-        tuned = {"tile": [int(x) for x in best["tile"]],
-                 "decisions": {str(k): int(v) for k, v in best["decisions"].items()}}
+        if lowered:
+            tuned = {"variant": {str(k): v for k, v in best["variant"].items()}}
+        else:
+            tuned = {"tile": [int(x) for x in best["tile"]],
+                     "decisions": {str(k): int(v) for k, v in best["decisions"].items()}}
         records_text = (directory / RECORDS).read_text()
         targets = [json.loads(line)[1][2] for line in records_text.splitlines() if line.strip()]
         kinds = [(t["kind"], t.get("arch")) for t in targets]
@@ -324,8 +352,11 @@ def load_tuned(root: str | os.PathLike, key: KernelKey) -> dict | None:
         if kind != want.kind.name or (want_arch is not None and arch != str(want_arch)):
             raise TuningLogError(f"{directory}: holds a record tuned for {kind} "
                                  f"{arch or ''}, not {key.target}")
-    sched = schedules.for_target(target_kind(key.target))
-    if TileConfig(*tuned["tile"]) not in sched.tiles(key):
+    if lowered:
+        if tuned["variant"] not in schedules.variants(kind, key):
+            raise TuningLogError(f"{directory}: variant {tuned['variant']} is not one of "
+                                 f"{key.name}'s on {key.target}")
+    elif TileConfig(*tuned["tile"]) not in schedules.for_target(kind).tiles(key):
         raise TuningLogError(f"{directory}: tile {tuned['tile']} does not fit {key.target}")
     digest = hashlib.sha256(summary_path.read_bytes() + records_text.encode()).hexdigest()
     return {**tuned, "digest": digest[:16]}
@@ -341,9 +372,183 @@ def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None):
         return tvm.tirx.build(mod, target=target)
 
 
+def build_lowered(mod: tvm.IRModule, target: tvm.target.Target, _params=None):
+    """MetaSchedule's build function for a hand-lowered variant: TIRx's device-region
+    pipeline (``schedules/cuda.py``), the kernels' lowering options."""
+    with tvm.transform.PassContext(config=pass_config(target.kind.name)):
+        return tvm.tirx.build(mod, target=target, pipeline="tirx")
+
+
+def _spearman(xs: list, ys: list) -> float | None:
+    """Rank correlation of two equally long lists (None below three pairs)."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=v.__getitem__)
+        r = [0.0] * len(v)
+        for rank, i in enumerate(order):
+            r[i] = float(rank)
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
+
+
+def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_top: int = 2,
+                  shape: dict | None = None, seed: int = 0, batch: int = 4,
+                  log=print) -> dict:
+    """Tune a hand-lowered kernel over its variants (``schedules.variants``) on this machine,
+    resuming from its log under ``root``; write the log and return its summary.
+
+    Each variant is a workload (:func:`variant_workload`); MetaSchedule's ``LocalBuilder``
+    compiles a batch of them, its ``LocalRunner`` times them, each result is a record in its
+    JSON database. The first batch is the default and ``batch - 1`` variants drawn with
+    ``seed``; after each batch the xgboost cost model (``XGBModel`` over ``PerStoreFeature``)
+    is trained on every measurement so far and the next batch is the unmeasured variants it
+    ranks fastest. ``summary["ranking"]``: the Spearman correlation between the model's scores
+    for the variants it chose (scored before they ran) and their measured speed.
+    """
+    import random
+
+    from tvm.s_tir import meta_schedule as ms
+
+    _refuse_lowered(key, variants_ok=True)
+    kind = target_kind(key.target)
+    found = schedules.variants(kind, key)
+    target = tuning_target(key.target)
+    directory = log_dir(root, key)
+    directory.mkdir(parents=True, exist_ok=True)
+    mods = [variant_workload(key, v, shape) for v in found]
+    shashes = [ms.database.Workload(m).as_json()[0] for m in mods]
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        work_workloads, work_records = tmp / "database_workload.json", tmp / RECORDS
+        if (directory / RECORDS).exists():  # resume
+            work_workloads.write_text(_regenerate_variants(directory, key, shape))
+            shutil.copy(directory / RECORDS, work_records)
+        database = ms.database.JSONDatabase(str(work_workloads), str(work_records))
+        secs = {}  # variant index -> mean seconds
+        for rec in database.get_all_tuning_records():
+            shash = ms.database.Workload(rec.workload.mod).as_json()[0]
+            if shash in shashes:
+                secs[shashes.index(shash)] = _mean_secs(rec.run_secs)
+        context = ms.TuneContext(mod=mods[0], target=target, space_generator="post-order-apply",
+                                 search_strategy="evolutionary", task_name=key.name)
+        model = ms.cost_model.XGBModel(
+            extractor=ms.feature_extractor.PerStoreFeature(), adaptive_training=False,
+            num_warmup_samples=0, config=ms.cost_model.xgb_model.XGBConfig(seed=seed),
+            verbose_eval=0)
+        args = [ms.arg_info.ArgInfo.from_prim_func(m["main"]) for m in mods]
+
+        def candidate(i):
+            return ms.MeasureCandidate(tvm.s_tir.Schedule(mods[i]), args[i])
+
+        def train():
+            done = sorted(secs)
+            results = [ms.runner.RunnerResult([tvm.runtime.convert(secs[i])], None)
+                       if secs[i] != float("inf") else ms.runner.RunnerResult(None, "failed")
+                       for i in done]
+            model.update(context, [candidate(i) for i in done], results)
+
+        rng = random.Random(seed)
+        builder = ms.builder.LocalBuilder(f_build=build_lowered)
+        runner = ms.runner.LocalRunner()
+        predicted = {}  # variant index -> the model's score when it chose it
+        budget = min(trials, len(found))
+        while len(secs) < budget:
+            todo = [i for i in range(len(found)) if i not in secs]
+            take = min(batch, budget - len(secs))
+            if not secs:  # the default first, then a seeded draw
+                chosen = ([0] if 0 in todo else []) + rng.sample(
+                    [i for i in todo if i != 0], max(0, take - (0 in todo)))
+            else:
+                train()
+                scores = model.predict(context, [candidate(i) for i in todo])
+                ranked = sorted(zip(scores, todo, strict=True), key=lambda p: -p[0])[:take]
+                chosen = [i for _, i in ranked]
+                predicted.update({i: float(sc) for sc, i in ranked})
+            log(f"{key.name}: measuring {[found[i] for i in chosen]}")
+            built = builder.build([ms.builder.BuilderInput(mods[i], target) for i in chosen])
+            inputs, ok = [], []
+            for i, b in zip(chosen, built, strict=True):
+                if b.error_msg:
+                    log(f"{key.name}: build failed for {found[i]}: {b.error_msg[-300:]}")
+                    secs[i] = float("inf")
+                    continue
+                inputs.append(ms.runner.RunnerInput(b.artifact_path, kind, args[i]))
+                ok.append(i)
+            for i, fut in zip(ok, runner.run(inputs), strict=True):
+                res = fut.result()
+                run = [float(x) for x in (res.run_secs or [])]
+                secs[i] = _mean_secs(run) if not res.error_msg else float("inf")
+                if res.error_msg:
+                    log(f"{key.name}: run failed for {found[i]}: {res.error_msg[-300:]}")
+                    continue
+                workload_ = database.commit_workload(mods[i])
+                database.commit_tuning_record(ms.database.TuningRecord(
+                    tvm.s_tir.Schedule(mods[i]).trace, workload_,
+                    [tvm.runtime.convert(x) for x in run], target, args[i]))
+        measured = {i: t for i, t in secs.items() if t != float("inf")}
+        if not measured:
+            raise TuningLogError(f"{key.name}: no variant was measured successfully")
+        best = min(measured, key=measured.get)
+        scored = [i for i in predicted if i in measured]
+        ranking = _spearman([predicted[i] for i in scored], [1 / measured[i] for i in scored])
+        _prune(work_records, keep_top)
+        shutil.copy(work_records, directory / RECORDS)
+        index = [{"variant": found[shashes.index(json.loads(line)[0])],
+                  "shash": json.loads(line)[0]}
+                 for line in work_workloads.read_text().splitlines() if line.strip()]
+        (directory / WORKLOAD_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    summary = {"key": key.name, "target": key.target, "bucket": "any",
+               "best": {"variant": found[best], "run_us": measured[best] * 1e6},
+               "default_us": measured.get(0, float("inf")) * 1e6, "measured": len(measured),
+               "variants": len(found),
+               "ranking": {"spearman": ranking, "scored": len(scored)},
+               "date": datetime.date.today().isoformat(), "device": _device_name(key.target),
+               "versions": {"tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__}}
+    (directory / SUMMARY).write_text(json.dumps(summary, indent=1, sort_keys=True))
+    log(f"{key.name}: best {found[best]} ({measured[best] * 1e6:.0f} us; default "
+        f"{summary['default_us']:.0f}) of {len(measured)} measured; xgboost ranking "
+        f"{ranking}")
+    return summary
+
+
+def _regenerate_variants(directory: pathlib.Path, key: KernelKey, shape: dict | None) -> str:
+    """A variant log's database workload file, rebuilt from its index; refuses one whose
+    workloads the current kernel source no longer produces."""
+    from tvm.s_tir import meta_schedule as ms
+
+    try:
+        index = json.loads((directory / WORKLOAD_INDEX).read_text())
+        entries = [(dict(entry["variant"]), entry["shash"]) for entry in index]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise TuningLogError(f"{directory}: corrupt workload index ({err!r})") from err
+    lines = []
+    for variant, shash in entries:
+        entry = ms.database.Workload(variant_workload(key, variant, shape)).as_json()
+        if entry[0] != shash:
+            raise TuningLogError(f"{directory}: the kernel source (or the bucket shape) no "
+                                 f"longer produces the workload of variant {variant}; retune "
+                                 "into a fresh log")
+        lines.append(json.dumps(list(entry)))
+    return "".join(line + "\n" for line in lines)
+
+
 def dry_run(key: KernelKey, log=print) -> int:
     """Generate every design space of ``key`` and build each with its first sampled decisions,
-    measuring nothing (for targets this machine cannot run, e.g. Metal on Linux)."""
+    measuring nothing (for targets this machine cannot run, e.g. Metal on Linux); for a
+    hand-lowered kernel, build every variant's workload as the tuner would."""
+    kind = target_kind(key.target)
+    if schedules.lowers(kind, key):
+        _refuse_lowered(key, variants_ok=True)
+        found = schedules.variants(kind, key)
+        for variant in found:
+            build_lowered(variant_workload(key, variant), tuning_target(key.target), None)
+        log(f"{key.name}: {len(found)} variants built")
+        return len(found)
     _refuse_lowered(key)
     sched = schedules.for_target(target_kind(key.target))
     built = 0
