@@ -1236,7 +1236,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
 
     @T.macro
-    def first(w, c):
+    def first(w, c, Lq):
         """The first step: the first query tile that sees the keys, of the group's first
         head."""
         w[0] = c[3] * BQ
@@ -1270,6 +1270,44 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                     for e in T.vectorized(2):
                         Of[c[0] * ob + c[1] * oh + (key_row + r * 8) * ol + n * 8 + lane % 4 * 2
                            + e] = T.cast(acc[n * 4 + r * 2 + e] * factor, dtype)
+
+    @T.macro
+    def load_kv(Ks, Vs, kmap, vmap, bars, c):
+        """Thread 0: the block's K and V tiles, once, on barrier 0."""
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]), T.uint32(2 * k_bytes))
+        for a in T.unroll(NA):
+            T.ptx[_TMA](T.address_of(Ks[a, 0, 0]), T.address_of(kmap), a * ATOM,
+                        T.cast(c[2], "int32"), T.cast(c[1], "int32"), T.cast(c[0], "int32"),
+                        T.address_of(bars[0]))
+            T.ptx[_TMA](T.address_of(Vs[a, 0, 0]), T.address_of(vmap), a * ATOM,
+                        T.cast(c[2], "int32"), T.cast(c[1], "int32"), T.cast(c[0], "int32"),
+                        T.address_of(bars[0]))
+
+    @T.macro
+    def stage_steps(Qs, dOs, stats, qmap, domap, bars, LSE, Delta, c, w, Lq, tx, start, step_on):
+        """Warp 0, step after step (``start``/``step_on``: the walk's first step and the next):
+        once the stage is free, its LSE and Delta rows (each lane some) and its Q and dO tiles
+        (TMA, lane 0), every lane arriving on the stage's "full" barrier."""
+        start(w, c, Lq)
+        for i in T.serial(c[5]):
+            if i >= ST:
+                T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + i % ST]), (i // ST - 1) % 2)
+            for r in T.unroll((BQ + 31) // 32):
+                if r * 32 + tx < BQ:
+                    stat_row(stats, i % ST, r * 32 + tx, LSE, Delta, c, w, Lq)
+            if tx == 0:  # its arrival counts one of the 32
+                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[FULL + i % ST]),
+                                                           T.uint32(2 * q_bytes))
+                for a in T.unroll(NA):
+                    T.ptx[_TMA](T.address_of(Qs[i % ST, a, 0, 0]), T.address_of(qmap), a * ATOM,
+                                T.cast(w[0], "int32"), T.cast(w[1], "int32"),
+                                T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
+                    T.ptx[_TMA](T.address_of(dOs[i % ST, a, 0, 0]), T.address_of(domap),
+                                a * ATOM, T.cast(w[0], "int32"), T.cast(w[1], "int32"),
+                                T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
+            else:
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[FULL + i % ST]))
+            step_on(w, c, Lq)
 
     if DQ:
         # ---------------------------------------------------- the 5-GEMM form (tile.dq)
@@ -1454,40 +1492,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                 # 32, not 24: the writer warp's address arithmetic (32 + 2 x 240 = 512 a thread)
                 T.ptx.setmaxnreg.dec.sync.aligned.u32(32)
                 if tx == 0 and c[5] > 0:
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
-                                                               T.uint32(2 * k_bytes))
-                    for a in T.unroll(NA):
-                        T.ptx[_TMA](T.address_of(Ks[a, 0, 0]), T.address_of(kmap), a * ATOM,
-                                    T.cast(c[2], "int32"), T.cast(c[1], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
-                        T.ptx[_TMA](T.address_of(Vs[a, 0, 0]), T.address_of(vmap), a * ATOM,
-                                    T.cast(c[2], "int32"), T.cast(c[1], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
-                if tx < 32:  # warp 0: the stages (as flash_dkv's, last query tile first)
-                    first_dq(w, c, Lq)
-                    for i in T.serial(c[5]):
-                        if i >= ST:
-                            T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + i % ST]),
-                                                 (i // ST - 1) % 2)
-                        for r in T.unroll((BQ + 31) // 32):
-                            if r * 32 + tx < BQ:
-                                stat_row(stats, i % ST, r * 32 + tx, LSE, Delta, c, w, Lq)
-                        if tx == 0:
-                            T.ptx.mbarrier.arrive.expect_tx.shared.b64(
-                                T.address_of(bars[FULL + i % ST]), T.uint32(2 * q_bytes))
-                            for a in T.unroll(NA):
-                                T.ptx[_TMA](T.address_of(Qs[i % ST, a, 0, 0]),
-                                            T.address_of(qmap), a * ATOM, T.cast(w[0], "int32"),
-                                            T.cast(w[1], "int32"), T.cast(c[0], "int32"),
-                                            T.address_of(bars[FULL + i % ST]))
-                                T.ptx[_TMA](T.address_of(dOs[i % ST, a, 0, 0]),
-                                            T.address_of(domap), a * ATOM,
-                                            T.cast(w[0], "int32"), T.cast(w[1], "int32"),
-                                            T.cast(c[0], "int32"),
-                                            T.address_of(bars[FULL + i % ST]))
-                        else:
-                            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[FULL + i % ST]))
-                        advance_dq(w, c, Lq)
+                    load_kv(Ks, Vs, kmap, vmap, bars, c)
+                if tx < 32:  # warp 0: the stages, last query tile first
+                    stage_steps(Qs, dOs, stats, qmap, domap, bars, LSE, Delta, c, w, Lq, tx,
+                                first_dq, advance_dq)
                 elif tx < 64:  # warp 1: adds each step's dQ tile, in key tile order
                     first_dq(w, c, Lq)
                     if c[5] > 0:
@@ -1640,38 +1648,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         if tx < WG:  # ------------------------------------------------------------ producer
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0 and c[5] > 0:
-                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
-                                                           T.uint32(2 * k_bytes))
-                for a in T.unroll(NA):
-                    T.ptx[_TMA](T.address_of(Ks[a, 0, 0]), T.address_of(kmap), a * ATOM,
-                                T.cast(c[2], "int32"), T.cast(c[1], "int32"),
-                                T.cast(c[0], "int32"), T.address_of(bars[0]))
-                    T.ptx[_TMA](T.address_of(Vs[a, 0, 0]), T.address_of(vmap), a * ATOM,
-                                T.cast(c[2], "int32"), T.cast(c[1], "int32"),
-                                T.cast(c[0], "int32"), T.address_of(bars[0]))
+                load_kv(Ks, Vs, kmap, vmap, bars, c)
             if tx < 32:
-                first(w, c)
-                for i in T.serial(c[5]):
-                    if i >= ST:
-                        T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + i % ST]),
-                                             (i // ST - 1) % 2)
-                    for r in T.unroll((BQ + 31) // 32):
-                        if r * 32 + tx < BQ:
-                            stat_row(stats, i % ST, r * 32 + tx, LSE, Delta, c, w, Lq)
-                    if tx == 0:  # its arrival counts one of the 32
-                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(
-                            T.address_of(bars[FULL + i % ST]), T.uint32(2 * q_bytes))
-                        for a in T.unroll(NA):
-                            T.ptx[_TMA](T.address_of(Qs[i % ST, a, 0, 0]), T.address_of(qmap),
-                                        a * ATOM, T.cast(w[0], "int32"), T.cast(w[1], "int32"),
-                                        T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
-                            T.ptx[_TMA](T.address_of(dOs[i % ST, a, 0, 0]),
-                                        T.address_of(domap), a * ATOM, T.cast(w[0], "int32"),
-                                        T.cast(w[1], "int32"), T.cast(c[0], "int32"),
-                                        T.address_of(bars[FULL + i % ST]))
-                    else:
-                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[FULL + i % ST]))
-                    advance(w, c, Lq)
+                stage_steps(Qs, dOs, stats, qmap, domap, bars, LSE, Delta, c, w, Lq, tx, first,
+                            advance)
         else:  # ------------------------------------------------------------------ consumers
             T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)
             st = T.alloc_buffer((NS * 4,), F32, scope="local")
@@ -1707,7 +1687,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                     if c[5] > 0:
                         _desc(ka[0], T.address_of(Ks[0, 0, 0]), 1, 8 * ROW, SW)
                         T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
-                        first(w, c)
+                        first(w, c, Lq)
                         for i in T.serial(c[5]):
                             step_dv(st, p, pw, dv, Qs, dOs, stats, slots, bars, ka, bq, bdot, i,
                                     w[0], key_row, row0, lane, tx % WG, scale, Lq, Lk)
@@ -1719,7 +1699,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                     if c[5] > 0:
                         _desc(va[0], T.address_of(Vs[0, 0, 0]), 1, 8 * ROW, SW)
                         T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
-                        first(w, c)
+                        first(w, c, Lq)
                         for i in T.serial(c[5]):
                             step_dk(dpt, p, pw, ds, dsw, dk, Qs, dOs, stats, slots, bars, va,
                                     bdo, bqt, i, lane, tx % WG)
@@ -1733,7 +1713,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                 _desc(ka[0], T.address_of(Ks[0, cw * 64, 0]), 1, 8 * ROW, SW)
                 _desc(va[0], T.address_of(Vs[0, cw * 64, 0]), 1, 8 * ROW, SW)
                 T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
-                first(w, c)
+                first(w, c, Lq)
                 for i in T.serial(c[5]):
                     if mods.alibi:
                         sl[0, 0] = Slopes[c[0], w[1]]

@@ -264,20 +264,27 @@ def _workload_index(path: pathlib.Path, key: KernelKey, shape: dict | None) -> l
 def _regenerate_workloads(directory: pathlib.Path, key: KernelKey, shape: dict | None) -> str:
     """The database workload file of a log, rebuilt from its index; refuses a log whose
     workloads the current kernel source no longer produces."""
+    return _regenerate(directory, "tile",
+                       lambda tile: workload(key, TileConfig(*tile), shape))
+
+
+def _regenerate(directory: pathlib.Path, field: str, make) -> str:
+    """A log's database workload file from its index (``[{field: ..., "shash": ...}]``),
+    each workload made again by ``make(entry[field])`` and checked against its hash."""
     from tvm.s_tir import meta_schedule as ms
 
     try:
         index = json.loads((directory / WORKLOAD_INDEX).read_text())
-        tiles = [(TileConfig(*entry["tile"]), entry["shash"]) for entry in index]
+        entries = [(entry[field], entry["shash"]) for entry in index]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise TuningLogError(f"{directory}: corrupt workload index ({err!r})") from err
     lines = []
-    for tile, shash in tiles:
-        entry = ms.database.Workload(workload(key, tile, shape)).as_json()
+    for value, shash in entries:
+        entry = ms.database.Workload(make(value)).as_json()
         if entry[0] != shash:
             raise TuningLogError(f"{directory}: the kernel source (or the bucket shape) no "
-                                 f"longer produces the workload tuned for tile {tile}; retune "
-                                 "into a fresh log")
+                                 f"longer produces the workload tuned for {field} {value}; "
+                                 "retune into a fresh log")
         lines.append(json.dumps(list(entry)))
     return "".join(line + "\n" for line in lines)
 
@@ -517,24 +524,9 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
 
 
 def _regenerate_variants(directory: pathlib.Path, key: KernelKey, shape: dict | None) -> str:
-    """A variant log's database workload file, rebuilt from its index; refuses one whose
-    workloads the current kernel source no longer produces."""
-    from tvm.s_tir import meta_schedule as ms
-
-    try:
-        index = json.loads((directory / WORKLOAD_INDEX).read_text())
-        entries = [(dict(entry["variant"]), entry["shash"]) for entry in index]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise TuningLogError(f"{directory}: corrupt workload index ({err!r})") from err
-    lines = []
-    for variant, shash in entries:
-        entry = ms.database.Workload(variant_workload(key, variant, shape)).as_json()
-        if entry[0] != shash:
-            raise TuningLogError(f"{directory}: the kernel source (or the bucket shape) no "
-                                 f"longer produces the workload of variant {variant}; retune "
-                                 "into a fresh log")
-        lines.append(json.dumps(list(entry)))
-    return "".join(line + "\n" for line in lines)
+    """A variant log's database workload file, rebuilt from its index (:func:`_regenerate`)."""
+    return _regenerate(directory, "variant",
+                       lambda variant: variant_workload(key, dict(variant), shape))
 
 
 def dry_run(key: KernelKey, log=print) -> int:
