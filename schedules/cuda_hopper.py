@@ -173,10 +173,10 @@ which the ``mma.sync`` kernel runs faster (H200, bf16, N 4096, the kernel alone:
 def writes(key: KernelKey) -> bool:
     """Whether this module has a kernel for ``key``: forward, dQ or dK/dV, fp16/bf16, sm_90a,
     a head dim in ``OP_HEAD_DIMS`` of its op (every causal mode and GQA group), score
-    modifiers for the ops of :data:`MODS_WRITTEN`, not packed sequences (``varlen``): not
-    written here yet."""
+    modifiers for the ops of :data:`MODS_WRITTEN`, packed sequences for those of
+    :data:`VARLEN_WRITTEN`."""
     return (key.op in OPS and key.dtype in _PTX and key.head_dim in OP_HEAD_DIMS[key.op]
-            and key.target == "cuda-sm_90a" and not key.varlen
+            and key.target == "cuda-sm_90a" and (not key.varlen or key.op in VARLEN_WRITTEN)
             and (not key.mods or key.head_dim in MODS_WRITTEN[key.op]))
 
 
@@ -187,9 +187,16 @@ from the other. None served until they have run against float64 on a GPU
 (``scripts/sweep_hopper.py --mods``)."""
 
 
+VARLEN_WRITTEN = ("fwd",)
+"""Ops written for packed sequences (``KernelKey.varlen``) too, not served until they have run
+against float64 on a GPU."""
+
+
 def supports(key: KernelKey) -> bool:
-    """Whether ``key`` runs on these kernels (:data:`SERVED`; no score modifier yet)."""
-    return writes(key) and key.head_dim in SERVED[key.op] and not key.mods
+    """Whether ``key`` runs on these kernels (:data:`SERVED`; no score modifier or packed
+    sequences yet)."""
+    return (writes(key) and key.head_dim in SERVED[key.op] and not key.mods
+            and not key.varlen)
 
 
 def tile(key: KernelKey) -> HopperTile:
@@ -214,8 +221,10 @@ def tile(key: KernelKey) -> HopperTile:
     # persistent where ptxas keeps it in registers and it was measured faster (D 96, 160-224
     # spill 4-200 bytes with the tile loop; D 256 causal N 512 / 1024 +8 / +5%, unmasked
     # 0 / -4%)
+    # packed sequences: one block per (sequence, head, tile), never persistent
     return HopperTile(step=128 if d <= 160 else 96 if d == 192 else 64,
-                      persistent=d in (32, 64, 128) or d == 256 and key.causal != "none")
+                      persistent=not key.varlen and (
+                          d in (32, 64, 128) or d == 256 and key.causal != "none"))
 
 
 def _dq_tile(d: int, causal: bool) -> HopperTile:
@@ -363,23 +372,41 @@ def _mine(total, grid, bx, persistent: bool):
             if persistent else 1)
 
 
-def _locator(causal: str, rows: int, step: int, group: int, mods: Mods = NO_MODS):
-    """A macro ``locate(c, pos, nqt, heads, Hq, Lq, Lk, ma)``: the row tile at ``pos`` in
-    :func:`_block_order` — batch, query head, KV head, first query row and key tiles into
-    ``c[0:5]`` (forward and dQ blocks of ``rows`` queries, keys walked ``step`` at a time);
-    under a window (``ma`` its arguments) also the first key tile's first key into ``c[6]``."""
+def _locator(causal: str, rows: int, step: int, group: int, mods: Mods = NO_MODS,
+             varlen: bool = False):
+    """A macro ``locate(c, pos, nqt, heads, Hq, Lq, Lk, ma, sq, cu_q, cu_k)``: the row tile at
+    ``pos`` in :func:`_block_order` — batch, query head, KV head, first query row and key
+    tiles into ``c[0:5]`` (forward and dQ blocks of ``rows`` queries, keys walked ``step`` at
+    a time); under a window (``ma`` its arguments) also the first key tile's first key into
+    ``c[6]``. ``varlen``: the (batch x head) index is (sequence x head); the sequence's first
+    query row, query length, first key row, key length and index go to ``sq[0:5]`` (from
+    ``cu_q``, ``cu_k``), the batch is 0, positions count within the sequence and a tile past
+    its end gets no key tile."""
 
     @T.macro
-    def locate(c, pos, nqt, heads, Hq, Lq, Lk, ma):
+    def locate(c, pos, nqt, heads, Hq, Lq, Lk, ma, sq, cu_q, cu_k):
         t, bh = T.meta_var(_block_order(causal, T.cast(pos, "int64"), nqt, heads))
         c[3] = (nqt - 1 - t) * rows
-        c[0] = bh // Hq
+        if varlen:
+            c[0] = T.int64(0)
+            sq[4] = bh // Hq
+            sq[0] = T.cast(cu_q[sq[4]], "int64")
+            sq[1] = T.cast(cu_q[sq[4] + 1], "int64") - sq[0]
+            sq[2] = T.cast(cu_k[sq[4]], "int64")
+            sq[3] = T.cast(cu_k[sq[4] + 1], "int64") - sq[2]
+        else:
+            c[0] = bh // Hq
         c[1] = bh % Hq
         c[2] = c[1] // group
+        lq = T.meta_var(sq[1] if varlen else Lq)
+        lk = T.meta_var(sq[3] if varlen else Lk)
         if mods.window:
-            c[6] = first_key(causal, c[3], Lq, Lk, step, T.int64(0), mods, ma)
-        c[4] = num_key_tiles(causal, c[3], rows, Lq, Lk, step, c[6] if mods.window else
-                             T.int64(0), Lk, mods, ma)
+            c[6] = first_key(causal, c[3], lq, lk, step, T.int64(0), mods, ma)
+        c[4] = num_key_tiles(causal, c[3], rows, lq, lk, step, c[6] if mods.window else
+                             T.int64(0), lk, mods, ma)
+        if varlen:
+            if c[3] >= lq:
+                c[4] = T.int64(0)
 
     return locate
 
@@ -412,6 +439,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     D, dtype, causal, sinks, group = key.head_dim, key.dtype, key.causal, key.sinks, key.group
     mods = Mods(key.window, key.softcap, key.alibi)
     rescored = mods.softcap or mods.alibi  # scores rewritten in base 2 before the softmax
+    varlen = key.varlen  # packed sequences (``tvm_flash.kernels.forward.flash_forward``)
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
     ATOM = atom(D)
@@ -438,16 +466,16 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
 
     @T.macro
-    def load(buf, bars, tmap, j, g, full, hk, b):
+    def load(buf, bars, tmap, j, g, full, hk, b, koff):
         """Key tile ``j`` of this query tile into ring slot ``g`` (counted over the block's
-        query tiles)."""
+        query tiles); ``koff``: the sequence's first key row (packed sequences)."""
         st = T.meta_var(g % ST)
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[full + st]),
                                                    T.uint32(kv_bytes))
         for a in T.unroll(NA):
             T.ptx[_TMA](T.address_of(buf[st, a, 0, 0]), T.address_of(tmap), a * ATOM,
-                        T.cast(j * BK, "int32"), T.cast(hk, "int32"), T.cast(b, "int32"),
-                        T.address_of(bars[full + st]))
+                        T.cast(j * BK + koff if varlen else j * BK, "int32"),
+                        T.cast(hk, "int32"), T.cast(b, "int32"), T.address_of(bars[full + st]))
 
     @T.macro
     def issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, js, jv, do_s: bool, do_pv: bool):
@@ -516,12 +544,14 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         for i in T.unroll(NS * 4):
             p[i] = T.cast(s[i], dtype)
 
-    locate = _locator(causal, BM, BK, group, mods)
+    locate = _locator(causal, BM, BK, group, mods, varlen)
 
     @T.prim_func
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, sinks_h: T.handle,
                   o_h: T.handle, lse_h: T.handle, scale: T.float32, slopes_h: T.handle,
-                  window_left: T.int64, window_right: T.int64, softcap: T.float32):
+                  window_left: T.int64, window_right: T.int64, softcap: T.float32,
+                  cuq_h: T.handle, cuk_h: T.handle, max_seqlen_q: T.int64,
+                  max_seqlen_k: T.int64):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         qb, qh, ql, kb, kh, kl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
@@ -532,13 +562,17 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype, strides=(ob, oh, ol, 1), align=16)
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Sinks = T.match_buffer(sinks_h, (Hq,), F32)
-        Slopes = T.match_buffer(slopes_h, (B, Hq), F32)
+        NS1, NSL = T.int64(), T.int64()
+        Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), F32)
+        CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
+        CuK = T.match_buffer(cuk_h, (NS1,), "int32")
         _require_vector_rows("flash_fwd", Q, K, V, O)
         # the grid, decided here on the host (persistent: one block per SM, which one block
         # fills): the kernel receives it as one number
         sms: T.let[T.int32] = _sm_count(tile.persistent)
-        nqt = T.meta_var(T.ceildiv(Lq, BM))
-        total = T.meta_var(B * Hq * nqt)  # query tiles
+        nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BM))
+        heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
+        total = T.meta_var(heads * nqt)  # query tiles
         grid: T.let[T.int32] = _grid(total, sms, Lk, tile.persistent)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
@@ -563,6 +597,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         Of = T.decl_buffer((B * ob,), dtype, data=O.data)
         # b, h, kv head, q0, key tiles of the query tile; ring slots used by the ones before
         c = T.alloc_buffer((7 if mods.window else 6,), "int64", scope="local")
+        if varlen:  # the tile's sequence: first q row, length, first k row, length, index
+            sq = T.alloc_buffer((5,), "int64", scope="local")
         # the block's query tiles, in rounds over _block_order (causal: longest first): bx in
         # even rounds, grid - 1 - bx in odd ones, so that a block's long and short tiles even
         # out; a round's blocks walk adjacent tiles (a head's, sharing its K/V in L2)
@@ -579,8 +615,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0:
                 for it in T.serial(mine):
-                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk,
-                           ModArgs(Slopes, window_left, window_right, softcap))
+                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, heads, Hq, Lq, Lk,
+                           ModArgs(Slopes, window_left, window_right, softcap),
+                           sq if varlen else None, CuQ, CuK)
                     # the Q tile is reloaded once both consumers' products with it completed
                     if it > 0:
                         T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
@@ -588,8 +625,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                                                                T.uint32(q_bytes))
                     for a in T.unroll(NA):
                         T.ptx[_TMA](T.address_of(Qs[a, 0, 0]), T.address_of(qmap), a * ATOM,
-                                    T.cast(c[3], "int32"), T.cast(c[1], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+                                    T.cast(c[3] + sq[0] if varlen else c[3], "int32"),
+                                    T.cast(c[1], "int32"), T.cast(c[0], "int32"),
+                                    T.address_of(bars[0]))
                     for j in T.serial(c[4]):
                         # a slot is refilled once both consumers released its previous tile
                         g = T.meta_var(c[5] + j)
@@ -597,12 +635,12 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                             T.cuda.mbarrier_wait(T.address_of(bars[EK + g % ST]),
                                                  (g // ST - 1) % 2)
                         load(Ks, bars, kmap, j + c[6] // BK if mods.window else j, g, FK, c[2],
-                             c[0])
+                             c[0], sq[2] if varlen else None)
                         if g >= ST:
                             T.cuda.mbarrier_wait(T.address_of(bars[EV + g % ST]),
                                                  (g // ST - 1) % 2)
                         load(Vs, bars, vmap, j + c[6] // BK if mods.window else j, g, FV, c[2],
-                             c[0])
+                             c[0], sq[2] if varlen else None)
                     c[5] = c[5] + c[4]
         else:  # ------------------------------------------------------------------ consumers
             T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)
@@ -629,9 +667,10 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             _desc(dq[0], T.address_of(Qs[0, cw * 64, 0]), 1, 8 * ROW, SW)
 
             for it in T.serial(mine):
-                locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk, ma)
+                locate(c, _snake(it, bx, grid, tile.persistent), nqt, heads, Hq, Lq, Lk, ma,
+                       sq if varlen else None, CuQ, CuK)
                 if mods.alibi:
-                    sl[0, 0] = Slopes[c[0], c[1]]
+                    sl[0, 0] = Slopes[sq[4] if varlen else c[0], c[1]]
                 for i in T.unroll(NO * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(2):
@@ -651,13 +690,15 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                     issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g, g, True, False)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), g, row, lane,
-                            scale2, elected, Lq, Lk, c, scale, ma)
+                            scale2, elected, sq[1] if varlen else Lq, sq[3] if varlen else Lk,
+                            c, scale, ma)
                     for j in T.serial(n - 1):
                         issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g + j + 1, g + j, True,
                               True)
                         T.ptx.wgmma.wait_group.sync.aligned(1)  # S done, P V may run on
                         softmax(s, p, acc, m, mn, msub, lsum, bars, j + 1, g + j + 1, row,
-                                lane, scale2, elected, Lq, Lk, c, scale, ma)
+                                lane, scale2, elected, sq[1] if varlen else Lq,
+                                sq[3] if varlen else Lk, c, scale, ma)
                     # every S is complete: the producer may load the next query tile
                     if elected:
                         T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
@@ -676,17 +717,18 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                     mn[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
                                            T.float32(1) / lsum[r])
                 for r in T.unroll(2):
-                    if row + r * 8 < Lq:
+                    if row + r * 8 < (sq[1] if varlen else Lq):
+                        orow = T.meta_var(row + r * 8 + sq[0] if varlen else row + r * 8)
                         for n in T.unroll(NO):
                             for e in T.vectorized(2):
-                                Of[c[0] * ob + c[1] * oh + (row + r * 8) * ol + n * 8
+                                Of[c[0] * ob + c[1] * oh + orow * ol + n * 8
                                    + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e] * mn[r],
                                                                 dtype)
                         if lane % 4 == 0:
-                            LSE[c[0], c[1], row + r * 8] = row_lse(m[r], lsum[r])
+                            LSE[c[0], c[1], orow] = row_lse(m[r], lsum[r])
                 c[5] = c[5] + c[4]
 
-    return trim_params(flash_fwd, mods)
+    return trim_params(flash_fwd, mods, varlen)
 
 
 def variants(key: KernelKey) -> list[HopperTile]:
@@ -938,7 +980,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             if tx == 0:
                 for it in T.serial(mine):
                     locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk,
-                           ModArgs(Slopes, window_left, window_right, softcap))
+                           ModArgs(Slopes, window_left, window_right, softcap), None, None,
+                           None)
                     # Q and dO are reloaded once both consumers' S and dP with them completed
                     if it > 0:
                         T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
@@ -1000,7 +1043,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             _desc(doa[0], T.address_of(dOs[0, cw * 64, 0]), 1, 8 * ROW, SW)
 
             for it in T.serial(mine):
-                locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk, ma)
+                locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk, ma,
+                       None, None, None)
                 if mods.alibi:
                     sl[0, 0] = Slopes[c[0], c[1]]
                 for i in T.unroll(NO * 4):

@@ -19,7 +19,9 @@ B·N = 16k tokens, hidden 2048, side by side in the same process with:
   and timed with its accumulator's zeroing and conversion, 5 GEMMs = 10 B H N^2 D: compare
   it with the default tiles' dq + dkv. ``--mods window,softcap+alibi`` adds keys with those
   score modifiers (window (37, 5), cap 5, random slopes; checked against the reference with
-  the same; ``cuda_hopper.MODS_WRITTEN``).
+  the same; ``cuda_hopper.MODS_WRITTEN``). ``--varlen`` adds the forward for packed
+  sequences (``cuda_hopper.VARLEN_WRITTEN``), checked per sequence of a packed batch with an
+  empty query sequence, one without keys and Lq != Lk.
 
     python scripts/sweep_hopper.py --head-dims 64,128 --dtypes bf16 --out results.json
     python scripts/sweep_hopper.py --ops dq,dkv --head-dims 64,128 --dtypes bf16,fp16 \
@@ -156,8 +158,55 @@ def _cases(key, device, strided: bool):
                    _tensor(b, hkv, lk, d, dtype, device, layout))
 
 
+VARLEN_LENGTHS = ([97, 0, 300, 1, 257, 64], [97, 5, 300, 0, 1000, 64])  # queries, keys
+
+
+def check_varlen(fn, key, device) -> tuple[bool, str]:
+    """The packed-sequence forward on one packed batch: each sequence's output and LSE
+    against the reference on it alone (bounds as :func:`check`)."""
+    import itertools as it
+
+    import torch
+
+    dtype, g, d = getattr(torch, key.dtype), key.group, key.head_dim
+    lens_q, lens_k = VARLEN_LENGTHS
+    cu_q, cu_k = ([0, *it.accumulate(lens)] for lens in (lens_q, lens_k))
+    hkv = 2
+    q = torch.randn(cu_q[-1], hkv * g, d, dtype=dtype, device=device)
+    k, v = (torch.randn(cu_k[-1], hkv, d, dtype=dtype, device=device) for _ in range(2))
+    q4, k4, v4 = (t.transpose(0, 1)[None] for t in (q, k, v))
+    scale = 1 / math.sqrt(d)
+    sinks = torch.randn(hkv * g, device=device) if key.sinks else None
+    extra, mods = _mods(key, q4, k4)
+    if key.alibi:  # one slope row per sequence
+        extra = (torch.rand(len(lens_q), hkv * g, device=device) * 0.3, *extra[1:])
+        mods["alibi_slopes"] = extra[0]
+    packing = tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (cu_q, cu_k))
+    out, lse = _run(fn, q4, k4, v4, sinks, scale,
+                    (*extra, *packing, max(lens_q), max(lens_k)))
+    worst, ok = 0.0, True
+    for s in range(len(lens_q)):
+        if not lens_q[s]:
+            continue
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        one = {**mods, "alibi_slopes": mods["alibi_slopes"][s] if key.alibi else None}
+        ref, ref_lse = _reference(q4[:, :, rows], k4[:, :, keys], v4[:, :, keys], key.causal,
+                                  scale, sinks, **one)
+        err = (out[:, :, rows].double() - ref).abs().max().item()
+        lerr = torch.where(torch.isinf(ref_lse) & torch.isinf(lse[:, :, rows].double()), 0.0,
+                           (lse[:, :, rows].double() - ref_lse).abs()).max().item()
+        if math.isnan(err) or err > 3e-2 or math.isnan(lerr) or lerr > 2e-2:
+            ok = False
+            print(f"   FAIL {key.name} sequence {s}: out err {err:.3g}, lse err {lerr:.3g}",
+                  flush=True)
+        worst = max(worst, err if not math.isnan(err) else float("inf"))
+    return ok, f"max out err {worst:.3g} (packed)"
+
+
 def check(fn, key, device, strided: bool = True, fused: bool = False) -> tuple[bool, str]:
     """Max errors over the odd shapes, vs the same maths in the input precision."""
+    if key.varlen:
+        return check_varlen(fn, key, device)
     if key.op != "fwd":
         return check_backward(fn, key, device, strided, fused)
     import torch
@@ -355,6 +404,8 @@ def main(argv=None) -> int:
     p.add_argument("--mods", default="",
                    help="also score modifiers: comma-separated combinations of window, "
                         "softcap, alibi joined by '+' (checked, not timed)")
+    p.add_argument("--varlen", action="store_true",
+                   help="also the kernels for packed sequences (checked, not timed)")
     p.add_argument("--jobs", type=int, default=os.cpu_count())
     p.add_argument("--sass", action="store_true", help="count HGMMA/HMMA in each variant's SASS")
     p.add_argument("--out", default=None)
@@ -389,8 +440,13 @@ def main(argv=None) -> int:
             else:
                 chosen = tiles
             jobs += [(key, t) for t in chosen]
-            for combo in combos if not sinks else ():
-                modded = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90a", **combo)
+            for combo, packed in itertools.product(
+                    [{}, *combos] if not sinks else [], (False, True) if args.varlen else
+                    (False,)):
+                if not combo and not packed:
+                    continue
+                modded = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90a", varlen=packed,
+                                   **combo)
                 if cuda_hopper.writes(modded):
                     jobs.append((modded, None))
             mma = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90")
@@ -426,7 +482,8 @@ def main(argv=None) -> int:
             fn = _load(*files)
             row["ok"], row["check"] = check(fn, key, device, strided=key.target != "cuda-sm_90",
                                             fused=fused)
-            if row["ok"] and not key.sinks and key.group == 1 and not key.mods:
+            if (row["ok"] and not key.sinks and key.group == 1 and not key.mods
+                    and not key.varlen):
                 for n in seqlens:
                     row[f"n{n}"] = (timing(fn, key, n, device) if key.op == "fwd"
                                     else timing_backward(fn, key, n, device, fused))

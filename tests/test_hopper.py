@@ -40,6 +40,9 @@ MOD_KEYS = [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a", **mods)
             for op, d, mods in itertools.product(
                 ("fwd", "dq", "dkv"), (64, 128),
                 ({"window": True}, {"window": True, "softcap": True, "alibi": True}))]
+# packed sequences (written, not served yet): the forward
+MOD_KEYS += [KernelKey("fwd", d, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)
+             for d in (64, 128)]
 KEYS += MOD_KEYS
 
 
@@ -195,9 +198,10 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
 
 
 def test_score_modifiers_are_written_not_served():
-    """Hopper kernels with window, soft cap and ALiBi exist (the sweep checks them on a GPU)
-    but nothing runs them until they have passed there: the CUDA schedule takes the SIMT
-    kernels for such keys, and ``tvm_flash.ops`` refuses fp16/bf16 ones before that."""
+    """Hopper kernels with window, soft cap and ALiBi (and the forward for packed sequences)
+    exist (the sweep checks them on a GPU) but nothing runs them until they have passed
+    there: the CUDA schedule takes the SIMT kernels for such keys, and ``tvm_flash.ops``
+    refuses fp16/bf16 ones before that."""
     for key in MOD_KEYS:
         assert hopper.writes(key) and not hopper.supports(key), key.name
         assert not schedules.lowers("cuda", key), key.name
