@@ -176,7 +176,8 @@ def writes(key: KernelKey) -> bool:
     modifiers for the ops of :data:`MODS_WRITTEN`, packed sequences for those of
     :data:`VARLEN_WRITTEN`."""
     return (key.op in OPS and key.dtype in _PTX and key.head_dim in OP_HEAD_DIMS[key.op]
-            and key.target == "cuda-sm_90a" and (not key.varlen or key.op in VARLEN_WRITTEN)
+            and key.target == "cuda-sm_90a"
+            and (not key.varlen or key.head_dim in VARLEN_WRITTEN[key.op])
             and (not key.mods or key.head_dim in MODS_WRITTEN[key.op]))
 
 
@@ -187,9 +188,9 @@ from the other. None served until they have run against float64 on a GPU
 (``scripts/sweep_hopper.py --mods``)."""
 
 
-VARLEN_WRITTEN = ("fwd",)
-"""Ops written for packed sequences (``KernelKey.varlen``) too, not served until they have run
-against float64 on a GPU."""
+VARLEN_WRITTEN = MODS_WRITTEN
+"""Per op, the head dims written for packed sequences (``KernelKey.varlen``) too (dK/dV not
+on the split tile yet), not served until they have run against float64 on a GPU."""
 
 
 def supports(key: KernelKey) -> bool:
@@ -208,14 +209,15 @@ def tile(key: KernelKey) -> HopperTile:
     d = key.head_dim
     # a soft cap or ALiBi rewrites every score in registers (dK/dV under a cap also keeps
     # 1 - tanh^2 beside S^T): shorter steps keep them in registers (ptxas, bf16 unmasked:
-    # dQ D 64 104 -> 0 bytes spilled, dK/dV D 128 192-196 -> 0; not run on a GPU yet)
+    # dQ D 64 104 -> 0 bytes spilled, dK/dV D 128 192-196 -> 0, packed dK/dV D 128 causal
+    # 196 -> 0; not run on a GPU yet)
     rescored = key.softcap or key.alibi
-    if key.op == "dq":
-        chosen = _dq_tile(d, key.causal != "none")
+    if key.op == "dq":  # packed sequences: never persistent
+        chosen = _dq_tile(d, key.causal != "none" and not key.varlen)
         return dataclasses.replace(chosen, step=min(chosen.step, 64)) if rescored else chosen
-    if key.op == "dkv":
+    if key.op == "dkv":  # also packed sequences: the sequence's rows and lengths take registers
         chosen = _dkv_tile(d)
-        if rescored and not chosen.split:
+        if (rescored or key.varlen) and not chosen.split:
             return dataclasses.replace(chosen, step=64 if d <= 64 else 32)
         return chosen
     # persistent where ptxas keeps it in registers and it was measured faster (D 96, 160-224
@@ -737,9 +739,10 @@ def variants(key: KernelKey) -> list[HopperTile]:
     other side allows, two or three stages, persistent or not (forward and dQ) — each one
     :func:`kernel` accepts (shared memory, shape rules). Registers are not checked: a variant
     that spills measures slow. The fused dQ tile is not among them (another calling
-    convention); keys with score modifiers have none (their arguments are not tensors)."""
+    convention); keys with score modifiers or packed sequences have none (their extra
+    arguments are scalars, or sized by the data)."""
     default = tile(key)
-    if key.mods:
+    if key.mods or key.varlen:
         return []
     found = [default]
     persistent = (False, True) if key.op != "dkv" else (False,)
@@ -776,7 +779,7 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if chosen.persistent and key.op == "dkv":
         raise ValueError(f"{key.name}: tile {chosen}: dK/dV is not persistent")
     if chosen.dq and (key.op != "dkv" or key.head_dim != 128 or chosen.step != 64
-                      or chosen.consumers != 2 or chosen.split or key.mods):
+                      or chosen.consumers != 2 or chosen.split or key.mods or key.varlen):
         raise ValueError(f"{key.name}: tile {chosen}: the fused dQ is written for dK/dV at D 128, "
                          "64-query steps, two consumer warpgroups, not split, no score "
                          "modifier")
@@ -815,6 +818,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     dP completed."""
     D, dtype, causal = key.head_dim, key.dtype, key.causal
     mods = Mods(key.window, key.softcap, key.alibi)
+    varlen = key.varlen  # packed sequences, as the forward's
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
     ATOM = atom(D)
@@ -916,12 +920,14 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         for i in T.unroll(NS * 4):
             ds[i] = T.cast(s[i], dtype)
 
-    locate = _locator(causal, BM, BK, key.group, mods)
+    locate = _locator(causal, BM, BK, key.group, mods, varlen)
 
     @T.prim_func
     def flash_dq(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
                  delta_h: T.handle, dq_h: T.handle, scale: T.float32, slopes_h: T.handle,
-                 window_left: T.int64, window_right: T.int64, softcap: T.float32):
+                 window_left: T.int64, window_right: T.int64, softcap: T.float32,
+                 cuq_h: T.handle, cuk_h: T.handle, max_seqlen_q: T.int64,
+                 max_seqlen_k: T.int64):
         T.func_attr({"global_symbol": "flash_dq", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         qb, qh, ql, kb, kh, kl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
@@ -934,7 +940,10 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
         dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype, strides=(ob, oh, ol, 1), align=16)
-        Slopes = T.match_buffer(slopes_h, (B, Hq), F32)
+        NS1, NSL = T.int64(), T.int64()
+        Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), F32)
+        CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
+        CuK = T.match_buffer(cuk_h, (NS1,), "int32")
         _require_vector_rows("flash_dq", Q, K, V, dO, dQ)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
@@ -945,8 +954,9 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(vmap, V, ATOM, BK, SW)
         sms: T.let[T.int32] = _sm_count(tile.persistent)
-        nqt = T.meta_var(T.ceildiv(Lq, BM))
-        total = T.meta_var(B * Hq * nqt)  # query tiles
+        nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BM))
+        heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
+        total = T.meta_var(heads * nqt)  # query tiles
         grid: T.let[T.int32] = _grid(total, sms, Lk, tile.persistent)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
@@ -966,6 +976,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         dQf = T.decl_buffer((B * ob,), dtype, data=dQ.data)
         # b, h, kv head, q0, key tiles of the row tile; ring slots used by the ones before
         c = T.alloc_buffer((7 if mods.window else 6,), "int64", scope="local")
+        if varlen:  # the tile's sequence: first q row, length, first k row, length, index
+            sq = T.alloc_buffer((5,), "int64", scope="local")
         mine = T.meta_var(_mine(total, grid, bx, tile.persistent))
         if tx == 0:
             for i in T.unroll(NB):
@@ -979,9 +991,9 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0:
                 for it in T.serial(mine):
-                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk,
-                           ModArgs(Slopes, window_left, window_right, softcap), None, None,
-                           None)
+                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, heads, Hq, Lq, Lk,
+                           ModArgs(Slopes, window_left, window_right, softcap),
+                           sq if varlen else None, CuQ, CuK)
                     # Q and dO are reloaded once both consumers' S and dP with them completed
                     if it > 0:
                         T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
@@ -989,11 +1001,13 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                                                                T.uint32(2 * q_bytes))
                     for a in T.unroll(NA):
                         T.ptx[_TMA](T.address_of(Qs[a, 0, 0]), T.address_of(qmap), a * ATOM,
-                                    T.cast(c[3], "int32"), T.cast(c[1], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+                                    T.cast(c[3] + sq[0] if varlen else c[3], "int32"),
+                                    T.cast(c[1], "int32"), T.cast(c[0], "int32"),
+                                    T.address_of(bars[0]))
                         T.ptx[_TMA](T.address_of(dOs[a, 0, 0]), T.address_of(domap), a * ATOM,
-                                    T.cast(c[3], "int32"), T.cast(c[1], "int32"),
-                                    T.cast(c[0], "int32"), T.address_of(bars[0]))
+                                    T.cast(c[3] + sq[0] if varlen else c[3], "int32"),
+                                    T.cast(c[1], "int32"), T.cast(c[0], "int32"),
+                                    T.address_of(bars[0]))
                     for j in T.serial(c[4]):
                         # a slot is refilled once both consumers' dQ += dS K of its last tile
                         # completed
@@ -1005,13 +1019,15 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                             T.address_of(bars[FULL + g % ST]), T.uint32(2 * kv_bytes))
                         for a in T.unroll(NA):
                             T.ptx[_TMA](T.address_of(Ks[g % ST, a, 0, 0]), T.address_of(kmap),
-                                        a * ATOM, T.cast((j + c[6] // BK) * BK if mods.window
-                                                         else j * BK, "int32"),
+                                        a * ATOM, T.cast(((j + c[6] // BK) * BK if mods.window
+                                                          else j * BK)
+                                                         + (sq[2] if varlen else 0), "int32"),
                                         T.cast(c[2], "int32"), T.cast(c[0], "int32"),
                                         T.address_of(bars[FULL + g % ST]))
                             T.ptx[_TMA](T.address_of(Vs[g % ST, a, 0, 0]), T.address_of(vmap),
-                                        a * ATOM, T.cast((j + c[6] // BK) * BK if mods.window
-                                                         else j * BK, "int32"),
+                                        a * ATOM, T.cast(((j + c[6] // BK) * BK if mods.window
+                                                          else j * BK)
+                                                         + (sq[2] if varlen else 0), "int32"),
                                         T.cast(c[2], "int32"), T.cast(c[0], "int32"),
                                         T.address_of(bars[FULL + g % ST]))
                     c[5] = c[5] + c[4]
@@ -1043,19 +1059,20 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             _desc(doa[0], T.address_of(dOs[0, cw * 64, 0]), 1, 8 * ROW, SW)
 
             for it in T.serial(mine):
-                locate(c, _snake(it, bx, grid, tile.persistent), nqt, B * Hq, Hq, Lq, Lk, ma,
-                       None, None, None)
+                locate(c, _snake(it, bx, grid, tile.persistent), nqt, heads, Hq, Lq, Lk, ma,
+                       sq if varlen else None, CuQ, CuK)
                 if mods.alibi:
-                    sl[0, 0] = Slopes[c[0], c[1]]
+                    sl[0, 0] = Slopes[sq[4] if varlen else c[0], c[1]]
                 for i in T.unroll(NO * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(2):
                     # P = exp2(-inf) = 0 in rows past the end or without keys
                     lse[r] = pos_inf()
                     delta[r] = T.float32(0)
-                    if row + r * 8 < Lq:
-                        lse[r] = LSE[c[0], c[1], row + r * 8]
-                        delta[r] = Delta[c[0], c[1], row + r * 8]
+                    if row + r * 8 < (sq[1] if varlen else Lq):
+                        lrow = T.meta_var(row + r * 8 + sq[0] if varlen else row + r * 8)
+                        lse[r] = LSE[c[0], c[1], lrow]
+                        delta[r] = Delta[c[0], c[1], lrow]
                         if lse[r] == neg_inf():
                             lse[r] = pos_inf()
                 T.cuda.mbarrier_wait(T.address_of(bars[0]), it % 2)
@@ -1065,12 +1082,14 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                     issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, g, g, True,
                           False)
                     grads(s, dp, ds, acc, lse, delta, bars, T.int64(0), g, row0, row, lane,
-                          elected, scale, Lq, Lk, False, c, ma)
+                          elected, scale, sq[1] if varlen else Lq, sq[3] if varlen else Lk,
+                          False, c, ma)
                     for j in T.serial(n - 1):
                         issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, g + j + 1,
                               g + j, True, True)
                         grads(s, dp, ds, acc, lse, delta, bars, j + 1, g + j + 1, row0, row,
-                              lane, elected, scale, Lq, Lk, True, c, ma)
+                              lane, elected, scale, sq[1] if varlen else Lq,
+                              sq[3] if varlen else Lk, True, c, ma)
                     # every S and dP is complete: the producer may load the next Q and dO
                     if elected:
                         T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
@@ -1085,15 +1104,16 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                     T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
 
                 for r in T.unroll(2):
-                    if row + r * 8 < Lq:
+                    if row + r * 8 < (sq[1] if varlen else Lq):
+                        orow = T.meta_var(row + r * 8 + sq[0] if varlen else row + r * 8)
                         for n in T.unroll(NO):
                             for e in T.vectorized(2):
-                                dQf[c[0] * ob + c[1] * oh + (row + r * 8) * ol + n * 8
+                                dQf[c[0] * ob + c[1] * oh + orow * ol + n * 8
                                     + lane % 4 * 2 + e] = T.cast(
                                         acc[n * 4 + r * 2 + e] * scale, dtype)
                 c[5] = c[5] + c[4]
 
-    return trim_params(flash_dq, mods)
+    return trim_params(flash_dq, mods, varlen)
 
 
 def flash_dkv(key: KernelKey, tile: HopperTile):
@@ -1124,6 +1144,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     thread holding D / 2 registers of sums."""
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
     mods = Mods(key.window, key.softcap, key.alibi)  # the plain tile only (MODS_WRITTEN)
+    varlen = key.varlen  # packed sequences: the plain tile only (VARLEN_WRITTEN)
     BN, BQ, ST, NC, SPLIT = tile.rows, tile.step, tile.stages, tile.consumers, tile.split
     NT = tile.threads
     ATOM = atom(D)
@@ -1289,46 +1310,50 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     @T.macro
     def advance(w, c, Lq):
         """The next step: the next query tile, or the next head's first one (under a window,
-        the head's tiles end at ``c[3] + c[4]``)."""
+        the head's tiles end at ``c[3] + c[4]``; ``Lq``: the sequence's, packed)."""
         w[0] = w[0] + BQ
         if w[0] >= ((c[3] + c[4]) * BQ if mods.window else Lq):
             w[0] = c[3] * BQ
             w[1] = w[1] + 1
 
     @T.macro
-    def stat_row(stats, sg, r, LSE, Delta, c, w, Lq):
+    def stat_row(stats, sg, r, LSE, Delta, c, w, Lq, sq):
         """Row ``r`` of stage ``sg``'s LSE and Delta: +inf and 0 past Lq or where the row saw
-        no key (LSE -inf), so that P = exp2(-inf) = 0 there without a select per element."""
+        no key (LSE -inf), so that P = exp2(-inf) = 0 there without a select per element
+        (packed sequences: ``sq``, the sequence's first row and length)."""
         stats[sg, 0, r] = pos_inf()
         stats[sg, 1, r] = T.float32(0)
-        if w[0] + r < Lq:
-            if LSE[c[0], w[1], w[0] + r] != neg_inf():
-                stats[sg, 0, r] = LSE[c[0], w[1], w[0] + r]
-                stats[sg, 1, r] = Delta[c[0], w[1], w[0] + r]
+        grow = T.meta_var(w[0] + r + sq[0] if varlen else w[0] + r)
+        if w[0] + r < (sq[1] if varlen else Lq):
+            if LSE[c[0], w[1], grow] != neg_inf():
+                stats[sg, 0, r] = LSE[c[0], w[1], grow]
+                stats[sg, 1, r] = Delta[c[0], w[1], grow]
 
     @T.macro
-    def store(Out, Of, ob, oh, ol, acc, factor, c, key_row, lane, Lk):
+    def store(Out, Of, ob, oh, ol, acc, factor, c, key_row, lane, Lk, sq):
         for r in T.unroll(2):
-            if key_row + r * 8 < Lk:
+            if key_row + r * 8 < (sq[3] if varlen else Lk):
+                grow = T.meta_var(key_row + r * 8 + sq[2] if varlen else key_row + r * 8)
                 for n in T.unroll(NO):
                     for e in T.vectorized(2):
-                        Of[c[0] * ob + c[1] * oh + (key_row + r * 8) * ol + n * 8 + lane % 4 * 2
+                        Of[c[0] * ob + c[1] * oh + grow * ol + n * 8 + lane % 4 * 2
                            + e] = T.cast(acc[n * 4 + r * 2 + e] * factor, dtype)
 
     @T.macro
-    def load_kv(Ks, Vs, kmap, vmap, bars, c):
+    def load_kv(Ks, Vs, kmap, vmap, bars, c, sq):
         """Thread 0: the block's K and V tiles, once, on barrier 0."""
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]), T.uint32(2 * k_bytes))
         for a in T.unroll(NA):
             T.ptx[_TMA](T.address_of(Ks[a, 0, 0]), T.address_of(kmap), a * ATOM,
-                        T.cast(c[2], "int32"), T.cast(c[1], "int32"), T.cast(c[0], "int32"),
-                        T.address_of(bars[0]))
+                        T.cast(c[2] + sq[2] if varlen else c[2], "int32"),
+                        T.cast(c[1], "int32"), T.cast(c[0], "int32"), T.address_of(bars[0]))
             T.ptx[_TMA](T.address_of(Vs[a, 0, 0]), T.address_of(vmap), a * ATOM,
-                        T.cast(c[2], "int32"), T.cast(c[1], "int32"), T.cast(c[0], "int32"),
-                        T.address_of(bars[0]))
+                        T.cast(c[2] + sq[2] if varlen else c[2], "int32"),
+                        T.cast(c[1], "int32"), T.cast(c[0], "int32"), T.address_of(bars[0]))
 
     @T.macro
-    def stage_steps(Qs, dOs, stats, qmap, domap, bars, LSE, Delta, c, w, Lq, tx, start, step_on):
+    def stage_steps(Qs, dOs, stats, qmap, domap, bars, LSE, Delta, c, w, Lq, tx, start, step_on,
+                    sq):
         """Warp 0, step after step (``start``/``step_on``: the walk's first step and the next):
         once the stage is free, its LSE and Delta rows (each lane some) and its Q and dO tiles
         (TMA, lane 0), every lane arriving on the stage's "full" barrier."""
@@ -1338,17 +1363,19 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                 T.cuda.mbarrier_wait(T.address_of(bars[EMPTY + i % ST]), (i // ST - 1) % 2)
             for r in T.unroll((BQ + 31) // 32):
                 if r * 32 + tx < BQ:
-                    stat_row(stats, i % ST, r * 32 + tx, LSE, Delta, c, w, Lq)
+                    stat_row(stats, i % ST, r * 32 + tx, LSE, Delta, c, w, Lq, sq)
             if tx == 0:  # its arrival counts one of the 32
                 T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[FULL + i % ST]),
                                                            T.uint32(2 * q_bytes))
                 for a in T.unroll(NA):
                     T.ptx[_TMA](T.address_of(Qs[i % ST, a, 0, 0]), T.address_of(qmap), a * ATOM,
-                                T.cast(w[0], "int32"), T.cast(w[1], "int32"),
-                                T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
+                                T.cast(w[0] + sq[0] if varlen else w[0], "int32"),
+                                T.cast(w[1], "int32"), T.cast(c[0], "int32"),
+                                T.address_of(bars[FULL + i % ST]))
                     T.ptx[_TMA](T.address_of(dOs[i % ST, a, 0, 0]), T.address_of(domap),
-                                a * ATOM, T.cast(w[0], "int32"), T.cast(w[1], "int32"),
-                                T.cast(c[0], "int32"), T.address_of(bars[FULL + i % ST]))
+                                a * ATOM, T.cast(w[0] + sq[0] if varlen else w[0], "int32"),
+                                T.cast(w[1], "int32"), T.cast(c[0], "int32"),
+                                T.address_of(bars[FULL + i % ST]))
             else:
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[FULL + i % ST]))
             step_on(w, c, Lq)
@@ -1536,10 +1563,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                 # 32, not 24: the writer warp's address arithmetic (32 + 2 x 240 = 512 a thread)
                 T.ptx.setmaxnreg.dec.sync.aligned.u32(32)
                 if tx == 0 and c[5] > 0:
-                    load_kv(Ks, Vs, kmap, vmap, bars, c)
+                    load_kv(Ks, Vs, kmap, vmap, bars, c, None)
                 if tx < 32:  # warp 0: the stages, last query tile first
                     stage_steps(Qs, dOs, stats, qmap, domap, bars, LSE, Delta, c, w, Lq, tx,
-                                first_dq, advance_dq)
+                                first_dq, advance_dq, None)
                 elif tx < 64:  # warp 1: adds each step's dQ tile, in key tile order
                     first_dq(w, c, Lq)
                     if c[5] > 0:
@@ -1605,8 +1632,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                                 dstw, dqt, bars, ka, va, bq, bdo, bqt, bdot, bdsk, bds0, bds1,
                                 bkq, i, w[0], key_row, row0, lane, cw, tx % WG, scale, Lq, Lk)
                         advance_dq(w, c, Lq)
-                store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk)
-                store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk)
+                store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk, None)
+                store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk, None)
 
         return flash_dkv_dq
 
@@ -1614,7 +1641,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     def flash_dkv(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle,
                   lse_h: T.handle, delta_h: T.handle, dk_h: T.handle, dv_h: T.handle,
                   scale: T.float32, slopes_h: T.handle, window_left: T.int64,
-                  window_right: T.int64, softcap: T.float32):
+                  window_right: T.int64, softcap: T.float32, cuq_h: T.handle,
+                  cuk_h: T.handle, max_seqlen_q: T.int64, max_seqlen_k: T.int64):
         T.func_attr({"global_symbol": "flash_dkv", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         qb, qh, ql, kb, kh, kl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
@@ -1629,7 +1657,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
         dK = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype, strides=(kob, koh, kol, 1), align=16)
         dV = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype, strides=(vob, voh, vol, 1), align=16)
-        Slopes = T.match_buffer(slopes_h, (B, Hq), F32)
+        NS1, NSL = T.int64(), T.int64()
+        Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), F32)
+        CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
+        CuK = T.match_buffer(cuk_h, (NS1,), "int32")
         _require_vector_rows("flash_dkv", Q, K, V, dO, dK, dV)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BQ, SW)
@@ -1641,8 +1672,9 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         _tmap(vmap, V, ATOM, BN, SW)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
-        nkt = T.meta_var(T.ceildiv(Lk, BN))
-        bx = T.cta_id([T.cast(B * Hkv * nkt, "int32")])
+        nkt = T.meta_var(T.ceildiv(max_seqlen_k if varlen else Lk, BN))
+        heads = T.meta_var((NS1 - 1 if varlen else B) * Hkv)  # (batch or sequence) x head
+        bx = T.cta_id([T.cast(heads * nkt, "int32")])
         tx = T.thread_id([NT])
         pool = T.alloc_buffer((pool_bytes,), "uint8", scope="shared.dyn", align=1024)
         Ks = T.decl_buffer((NA, BN, ATOM), dtype, data=pool.data, elem_offset=0,
@@ -1666,19 +1698,36 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         c = T.alloc_buffer((6,), "int64", scope="local")
         # w: the step's first query row and query head, advanced step by step (no division)
         w = T.alloc_buffer((2,), "int64", scope="local")
+        if varlen:  # the block's sequence: first q row, length, first k row, length, index
+            sq = T.alloc_buffer((5,), "int64", scope="local")
+        lq = T.meta_var(sq[1] if varlen else Lq)
+        lk = T.meta_var(sq[3] if varlen else Lk)
 
-        t, bh = T.meta_var(_block_order(causal, T.cast(bx, "int64"), nkt, B * Hkv))
+        t, bh = T.meta_var(_block_order(causal, T.cast(bx, "int64"), nkt, heads))
         c[2] = t * BN  # causal: the keys seen by the most queries first
-        c[0] = bh // Hkv
+        if varlen:
+            c[0] = T.int64(0)
+            sq[4] = bh // Hkv
+            sq[0] = T.cast(CuQ[sq[4]], "int64")
+            sq[1] = T.cast(CuQ[sq[4] + 1], "int64") - sq[0]
+            sq[2] = T.cast(CuK[sq[4]], "int64")
+            sq[3] = T.cast(CuK[sq[4] + 1], "int64") - sq[2]
+        else:
+            c[0] = bh // Hkv
         c[1] = bh % Hkv
-        c[3] = first_query_tile(causal, c[2], Lq, Lk, BQ, TILED, mods,
+        c[3] = first_query_tile(causal, c[2], lq, lk, BQ, TILED, mods,
                                 ModArgs(Slopes, window_left, window_right, softcap))
         if mods.window:  # the tiles up to the window's left edge seen from the last key
-            c[4] = T.max(query_tiles_end(Lq, Lk, BQ, BN, c[2], causal, TILED, mods,
+            c[4] = T.max(query_tiles_end(lq, lk, BQ, BN, c[2], causal, TILED, mods,
                                          ModArgs(Slopes, window_left, window_right, softcap))
                          - c[3], T.int64(0))
+        elif varlen:
+            c[4] = T.max(T.ceildiv(lq, BQ) - c[3], T.int64(0))
         else:
             c[4] = T.ceildiv(Lq, BQ) - c[3]
+        if varlen:
+            if c[2] >= lk:  # a key tile past its sequence's end: no step
+                c[4] = T.int64(0)
         c[5] = c[4] * group
         if tx == 0:
             for i in T.unroll(NB):
@@ -1692,10 +1741,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         if tx < WG:  # ------------------------------------------------------------ producer
             T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
             if tx == 0 and c[5] > 0:
-                load_kv(Ks, Vs, kmap, vmap, bars, c)
+                load_kv(Ks, Vs, kmap, vmap, bars, c, sq if varlen else None)
             if tx < 32:
-                stage_steps(Qs, dOs, stats, qmap, domap, bars, LSE, Delta, c, w, Lq, tx, first,
-                            advance)
+                stage_steps(Qs, dOs, stats, qmap, domap, bars, LSE, Delta, c, w, lq, tx, first,
+                            advance, sq if varlen else None)
         else:  # ------------------------------------------------------------------ consumers
             T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)
             st = T.alloc_buffer((NS * 4,), F32, scope="local")
@@ -1736,7 +1785,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                             step_dv(st, p, pw, dv, Qs, dOs, stats, slots, bars, ka, bq, bdot, i,
                                     w[0], key_row, row0, lane, tx % WG, scale, Lq, Lk)
                             advance(w, c, Lq)
-                    store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk)
+                    store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk, None)
                 else:
                     for e in T.unroll(NO * 4):
                         dk[e] = T.float32(0)
@@ -1748,7 +1797,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                             step_dk(dpt, p, pw, ds, dsw, dk, Qs, dOs, stats, slots, bars, va,
                                     bdo, bqt, i, lane, tx % WG)
                             advance(w, c, Lq)
-                    store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk)
+                    store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk, None)
             else:
                 for e in T.unroll(NO * 4):
                     dk[e] = T.float32(0)
@@ -1757,19 +1806,21 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                 _desc(ka[0], T.address_of(Ks[0, cw * 64, 0]), 1, 8 * ROW, SW)
                 _desc(va[0], T.address_of(Vs[0, cw * 64, 0]), 1, 8 * ROW, SW)
                 T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
-                first(w, c, Lq)
+                first(w, c, lq)
                 for i in T.serial(c[5]):
                     if mods.alibi:
-                        sl[0, 0] = Slopes[c[0], w[1]]
+                        sl[0, 0] = Slopes[sq[4] if varlen else c[0], w[1]]
                     step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo,
-                         bqt, bdot, i, w[0], key_row, row0, lane, scale, Lq, Lk, ma,
+                         bqt, bdot, i, w[0], key_row, row0, lane, scale, lq, lk, ma,
                          sc if mods.softcap else None)
-                    advance(w, c, Lq)
+                    advance(w, c, lq)
             if not SPLIT:
-                store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk)
-                store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk)
+                store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk,
+                      sq if varlen else None)
+                store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk,
+                      sq if varlen else None)
 
-    return trim_params(flash_dkv, mods)
+    return trim_params(flash_dkv, mods, varlen)
 
 
 KERNELS = {"fwd": flash_forward, "dq": flash_dq, "dkv": flash_dkv}

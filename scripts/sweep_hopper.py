@@ -182,8 +182,10 @@ def check_varlen(fn, key, device) -> tuple[bool, str]:
         extra = (torch.rand(len(lens_q), hkv * g, device=device) * 0.3, *extra[1:])
         mods["alibi_slopes"] = extra[0]
     packing = tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (cu_q, cu_k))
-    out, lse = _run(fn, q4, k4, v4, sinks, scale,
-                    (*extra, *packing, max(lens_q), max(lens_k)))
+    tail = (*extra, *packing, max(lens_q), max(lens_k))
+    if key.op != "fwd":
+        return _check_varlen_backward(fn, key, q4, k4, v4, cu_q, cu_k, mods, scale, tail)
+    out, lse = _run(fn, q4, k4, v4, sinks, scale, tail)
     worst, ok = 0.0, True
     for s in range(len(lens_q)):
         if not lens_q[s]:
@@ -201,6 +203,45 @@ def check_varlen(fn, key, device) -> tuple[bool, str]:
                   flush=True)
         worst = max(worst, err if not math.isnan(err) else float("inf"))
     return ok, f"max out err {worst:.3g} (packed)"
+
+
+def _check_varlen_backward(fn, key, q4, k4, v4, cu_q, cu_k, mods, scale, tail):
+    """dq or dkv on a packed batch, fed each sequence's float64 LSE and Delta: each
+    sequence's gradients within 3x the error of the same maths in the input precision."""
+    import torch
+
+    dtype = q4.dtype
+    do4 = torch.randn_like(q4)
+    lse = torch.full(q4.shape[:3], float("-inf"), dtype=torch.float32, device=q4.device)
+    delta = torch.zeros(q4.shape[:3], dtype=torch.float32, device=q4.device)
+    refs = []
+    for s in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        one = {**mods, "alibi_slopes": mods["alibi_slopes"][s] if key.alibi else None}
+        args = (q4[:, :, rows], k4[:, :, keys], v4[:, :, keys], do4[:, :, rows], key.causal,
+                scale)
+        out, seq_lse, exact = _grads(*args, torch.float64, **one)
+        _, _, lowp = _grads(*args, dtype, **one)
+        lse[:, :, rows] = seq_lse.float()
+        delta[:, :, rows] = (do4[:, :, rows].double() * out).sum(-1).float()
+        refs.append((rows, keys, exact, lowp))
+    names = ("dq",) if key.op == "dq" else ("dk", "dv")
+    outs = [torch.full_like(q4 if key.op == "dq" else k4, float("nan")) for _ in names]
+    fn(q4, k4, v4, do4, lse, delta, *outs, scale, *tail)
+    worst, ok = 0.0, True
+    for s, (rows, keys, exact, lowp) in enumerate(refs):
+        for name, o, i in zip(names, outs, (0,) if key.op == "dq" else (1, 2), strict=True):
+            part = o[:, :, rows if key.op == "dq" else keys]
+            if part.numel() == 0:
+                continue
+            err = (part.double() - exact[i]).abs().max().item()
+            bound = 3 * (lowp[i].double() - exact[i]).abs().max().item() + FLOOR[key.dtype]
+            if math.isnan(err) or err > bound:
+                ok = False
+                print(f"   FAIL {key.name} sequence {s}: {name} err {err:.3g} > {bound:.3g}",
+                      flush=True)
+            worst = max(worst, err if not math.isnan(err) else float("inf"))
+    return ok, f"max grad err {worst:.3g} (packed)"
 
 
 def check(fn, key, device, strided: bool = True, fused: bool = False) -> tuple[bool, str]:

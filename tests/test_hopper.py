@@ -40,9 +40,9 @@ MOD_KEYS = [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a", **mods)
             for op, d, mods in itertools.product(
                 ("fwd", "dq", "dkv"), (64, 128),
                 ({"window": True}, {"window": True, "softcap": True, "alibi": True}))]
-# packed sequences (written, not served yet): the forward
-MOD_KEYS += [KernelKey("fwd", d, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)
-             for d in (64, 128)]
+# packed sequences (written, not served yet): forward, dQ, dK/dV
+MOD_KEYS += [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)
+             for op in ("fwd", "dq", "dkv") for d in (64, 128)]
 KEYS += MOD_KEYS
 
 
@@ -207,3 +207,5 @@ def test_score_modifiers_are_written_not_served():
         assert not schedules.lowers("cuda", key), key.name
     split = KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a", softcap=True)
     assert not hopper.writes(split)  # the split tile has no modifiers yet
+    assert not hopper.writes(KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a",
+                                       varlen=True))  # nor packed sequences
