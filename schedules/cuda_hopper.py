@@ -50,6 +50,12 @@ of ``R`` rows stored as atoms of ``ROW`` units a row: K-major LBO 1 (unused by t
 layouts), SBO ``8 ROW`` (the next 8 rows), a k16 step +2 within an atom and ``R ROW`` to the
 next atom; MN-major LBO ``R ROW`` (the next atom of columns), SBO ``8 ROW``, a k16 step ``16
 ROW`` (16 rows).
+
+Written here but not served until they have run against float64 on a GPU
+(``scripts/sweep_hopper.py``; docs/journal/2026-12-01-hopper.md, -features.md): the 5-GEMM
+dK/dV (``HopperTile(dq=True)``: dQ added in key-tile order into a float32 accumulator), and the
+kernels with score modifiers (:data:`MODS_WRITTEN`) or for packed sequences
+(:data:`VARLEN_WRITTEN`). :func:`variants` lists the tiles a tuner may measure for a key.
 """
 
 from __future__ import annotations
