@@ -184,19 +184,20 @@ def writes(key: KernelKey) -> bool:
     return (key.op in OPS and key.dtype in _PTX and key.head_dim in OP_HEAD_DIMS[key.op]
             and key.target == "cuda-sm_90a"
             and (not key.varlen or key.head_dim in VARLEN_WRITTEN[key.op])
-            and (not key.mods or key.head_dim in MODS_WRITTEN[key.op]))
+            and (not key.mods or key.head_dim in MODS_WRITTEN[key.op])
+            and not (key.op == "dkv" and key.softcap and _dkv_tile(key.head_dim).split))
 
 
-MODS_WRITTEN = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": HEAD_DIMS[:5]}
-"""Per op, the head dims written with score modifiers (``tvm_flash.key.MODS``) too: dK/dV
-not on the split tile (D 192 and up) yet, whose dK warpgroup would need S^T's soft-cap slope
-from the other. None served until they have run against float64 on a GPU
+MODS_WRITTEN = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": HEAD_DIMS}
+"""Per op, the head dims written with score modifiers (``tvm_flash.key.MODS``) too — but the
+soft cap on dK/dV's split tile (D 192 and up), whose dK warpgroup would need S^T's slope from
+the other (:func:`writes`). None served until they have run against float64 on a GPU
 (``scripts/sweep_hopper.py --mods``)."""
 
 
 VARLEN_WRITTEN = MODS_WRITTEN
-"""Per op, the head dims written for packed sequences (``KernelKey.varlen``) too (dK/dV not
-on the split tile yet), not served until they have run against float64 on a GPU."""
+"""Per op, the head dims written for packed sequences (``KernelKey.varlen``) too, not served
+until they have run against float64 on a GPU."""
 
 
 def supports(key: KernelKey) -> bool:
@@ -1227,7 +1228,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
 
     @T.macro
     def step_dv(st, p, pw, dv, Qs, dOs, stats, slots, bars, ka, bq, bdot, i, q0, key_row, row0,
-                lane, t, scale, Lq, Lk):
+                lane, t, scale, Lq, Lk, ma):
         """Split, the dV warpgroup's step: S^T, P^T (handed over), dV += P^T dO."""
         sg = T.meta_var(i % ST)
         _desc(bq[0], T.address_of(Qs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
@@ -1238,7 +1239,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         gemm_ss(mma_s, st, NS * 4, ka[0], BN, bq[0], BQ, D // 16, KA, ROW)
         T.ptx.wgmma.wait_group.sync.aligned(0)
         pin(st, NS * 4)
-        probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, None, None)
+        probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, None)
         pin_u32(pw, NW)
         for j in T.unroll(NW):  # the dK warpgroup's thread t holds the same elements of dP^T
             slots[sg, j, t] = pw[j]
@@ -1786,24 +1787,28 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                     if c[5] > 0:
                         _desc(ka[0], T.address_of(Ks[0, 0, 0]), 1, 8 * ROW, SW)
                         T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
-                        first(w, c, Lq)
+                        first(w, c, lq)
                         for i in T.serial(c[5]):
+                            if mods.alibi:
+                                sl[0, 0] = Slopes[sq[4] if varlen else c[0], w[1]]
                             step_dv(st, p, pw, dv, Qs, dOs, stats, slots, bars, ka, bq, bdot, i,
-                                    w[0], key_row, row0, lane, tx % WG, scale, Lq, Lk)
-                            advance(w, c, Lq)
-                    store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk, None)
+                                    w[0], key_row, row0, lane, tx % WG, scale, lq, lk, ma)
+                            advance(w, c, lq)
+                    store(dV, dVf, vob, voh, vol, dv, T.float32(1), c, key_row, lane, Lk,
+                          sq if varlen else None)
                 else:
                     for e in T.unroll(NO * 4):
                         dk[e] = T.float32(0)
                     if c[5] > 0:
                         _desc(va[0], T.address_of(Vs[0, 0, 0]), 1, 8 * ROW, SW)
                         T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
-                        first(w, c, Lq)
+                        first(w, c, lq)
                         for i in T.serial(c[5]):
                             step_dk(dpt, p, pw, ds, dsw, dk, Qs, dOs, stats, slots, bars, va,
                                     bdo, bqt, i, lane, tx % WG)
-                            advance(w, c, Lq)
-                    store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk, None)
+                            advance(w, c, lq)
+                    store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk,
+                          sq if varlen else None)
             else:
                 for e in T.unroll(NO * 4):
                     dk[e] = T.float32(0)

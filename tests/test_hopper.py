@@ -206,6 +206,7 @@ def test_score_modifiers_are_written_not_served():
         assert hopper.writes(key) and not hopper.supports(key), key.name
         assert not schedules.lowers("cuda", key), key.name
     split = KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a", softcap=True)
-    assert not hopper.writes(split)  # the split tile has no modifiers yet
-    assert not hopper.writes(KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a",
-                                       varlen=True))  # nor packed sequences
+    assert not hopper.writes(split)  # the split tile has no soft cap yet
+    for mods in ({"varlen": True}, {"window": True, "alibi": True}):  # but these it has
+        key = KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a", **mods)
+        assert hopper.writes(key) and not hopper.supports(key)
