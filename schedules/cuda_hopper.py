@@ -90,7 +90,6 @@ from .cuda_mma import (
     _block_order,
     _lane_row,
     _mask_needed,
-    _prob,
     _require_vector_rows,
     _row_tree,
     pos_inf,
@@ -871,10 +870,9 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             gemm_rs(mma_o, acc, NO * 4, dsw, dkt[0], BK // 16, ROW)
 
     def prob(s, i, row, lane, k0, lse, scale, Lq, Lk, ma):
-        """P of element ``i`` of a complete S (``_prob``), of the modified score where the
-        kernel has a soft cap or ALiBi (``ma.slopes[0, 0]``: the tile's slope)."""
-        if not (mods.softcap or mods.alibi):
-            return _prob(s[i], scale, lse[i % 4 // 2], False)
+        """P of element ``i`` of a complete S (``_prob`` unguarded) of its modified score
+        (``s * scale`` itself without a soft cap or ALiBi; ``ma.slopes[0, 0]``: the tile's
+        slope)."""
         score = modified_score(s[i], scale, mods, ma, causal, 0, 0, row + i % 4 // 2 * 8,
                                k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq, Lk)
         return exp2_clamped((score - lse[i % 4 // 2]) * T.float32(LOG2E))
@@ -1182,11 +1180,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
 
     def prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma):
-        """P^T of element ``e`` (``_prob``), of the modified score where the kernel has a soft
-        cap or ALiBi (``ma.slopes[0, 0]``: the step's query head's slope)."""
+        """P^T of element ``e`` (``_prob`` unguarded) of its modified score (``s * scale``
+        itself without a soft cap or ALiBi; ``ma.slopes[0, 0]``: the step's query head's
+        slope)."""
         lse = stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2]
-        if not (mods.softcap or mods.alibi):
-            return _prob(st[e], scale, lse, False)
         score = modified_score(st[e], scale, mods, ma, causal, 0, 0,
                                q0 + e // 4 * 8 + lane % 4 * 2 + e % 2, key_row + e % 4 // 2 * 8,
                                Lq, Lk)

@@ -87,8 +87,8 @@ def _prob(causal, s, scale, lse, row, col, lq, lk, end=None, mods: Mods = NO_MOD
     each of ``s`` and ``lse`` to base 2 first would round both at the size of the logits,
     which costs accuracy once logits reach ~1e4.
     """
-    score = (modified_score(s, scale, mods, ma, causal, b, h, row, col, lq, lk)
-             if mods.softcap or mods.alibi else s * scale)
+    # without a soft cap or ALiBi the modified score is ``s * scale`` itself
+    score = modified_score(s, scale, mods, ma, causal, b, h, row, col, lq, lk)
     return T.if_then_else(
         tirx.all(visible(causal, row, col, lq, lk, end, mods, ma), lse != neg_inf()),
         exp2_clamped((score - lse) * T.float32(LOG2E)),
@@ -226,6 +226,7 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
         Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), f32)
         CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
         CuK = T.match_buffer(cuk_h, (NS1,), "int32")
+        ma = T.meta_var(ModArgs(Slopes, window_left, window_right, softcap))
 
         for b, h, qt in T.grid(NS1 - 1 if varlen else B, Hq,
                                T.ceildiv(max_seqlen_q if varlen else Lq, BQ)):
@@ -242,11 +243,11 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
                 c = T.sblock_alloc_buffer((6,), "int64", scope="local")
                 pin("coords", c, T.int64(0) if varlen else vb, vh, vh // group, vt * BQ,
                     first_key(causal, vt * BQ, lq, lk, tile.block_k, T.int64(0), mods,
-                              ModArgs(Slopes, window_left, window_right, softcap)),
+                              ma),
                     # a tile past its sequence's end walks no key
                     T.if_then_else(vt * BQ < lq, lk, T.int64(0)) if varlen else Lk)
                 dq_tile(Q, K, V, dO, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], lq, lk,
-                        scale, ModArgs(Slopes, window_left, window_right, softcap),
+                        scale, ma,
                         sq[0] if varlen else None, sq[2] if varlen else None,
                         vb if varlen else c[0])
                 store("dQ_store", dQ, acc, c[0], c[1], at(sq[0] if varlen else None, c[3]),
@@ -287,6 +288,7 @@ def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: Til
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
         dQpart = T.match_buffer(part_h, (BS, Hq, Lq, D), f32)
         Slopes = T.match_buffer(slopes_h, (B, Hq), f32)
+        ma = T.meta_var(ModArgs(Slopes, window_left, window_right, softcap))
 
         for b, hk, rt, s in T.grid(B, Hkv, T.ceildiv(group * Lq, BQ), BS // B):
             with T.sblock("tile"):
@@ -298,10 +300,10 @@ def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: Til
                 # packed rows: the tile's first query position is only known to be >= 0
                 pin("coords", c, vb, vhk * group, vhk, vt * BQ,
                     first_key(causal, T.int64(0), Lq, Lk, BK, vs * split_size(Lk, BS // B, BK),
-                              mods, ModArgs(Slopes, window_left, window_right, softcap)),
+                              mods, ma),
                     T.min((vs + 1) * split_size(Lk, BS // B, BK), Lk))
                 dq_tile(Q, K, V, dO, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
-                        scale, ModArgs(Slopes, window_left, window_right, softcap), None, None,
+                        scale, ma, None, None,
                         c[0])
                 store("part_store", dQpart, acc, vs * B + c[0], c[1], c[3], Lq, BQ, D,
                       T.float32(1), f32, rows)
@@ -381,6 +383,7 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
         Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), f32)
         CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
         CuK = T.match_buffer(cuk_h, (NS1,), "int32")
+        ma = T.meta_var(ModArgs(Slopes, window_left, window_right, softcap))
 
         for b, hk, kt in T.grid(NS1 - 1 if varlen else B, Hkv,
                                 T.ceildiv(max_seqlen_k if varlen else Lk, BK)):
@@ -414,13 +417,13 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                 c = T.sblock_alloc_buffer((6,), "int64", scope="local")
                 m.pin("coords", c, T.int64(0) if varlen else vb, vhk, vt * BK,
                       first_query_tile(causal, vt * BK, lq, lk, BQ, rows, mods,
-                                       ModArgs(Slopes, window_left, window_right, softcap)),
+                                       ma),
                       T.if_then_else(vt * BK < lk, query_tiles_end(
                           lq, lk, BQ, BK, vt * BK, causal, rows, mods,
-                          ModArgs(Slopes, window_left, window_right, softcap)), T.int64(0))
+                          ma), T.int64(0))
                       if varlen else query_tiles_end(
                           Lq, Lk, BQ, BK, vt * BK, causal, rows, mods,
-                          ModArgs(Slopes, window_left, window_right, softcap))
+                          ma)
                       if mods.window else T.int64(0), T.int64(0))
 
                 m.load_k("K_load", Ks, K, c[0], c[1], at(k_off, c[2]), at(k_off, lk), BK, D,
@@ -455,9 +458,7 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                                 vj, vi = T.axis.remap("SS", [j, i])
                                 Pt[vj, vi] = T.cast(_prob(causal, St[vj, vi], scale, lse_s[vi],
                                                           rows.query(q0 + vi, lq), c[2] + vj, lq,
-                                                          lk, None, mods,
-                                                          ModArgs(Slopes, window_left,
-                                                                  window_right, softcap),
+                                                          lk, None, mods, ma,
                                                           vb if varlen else c[0],
                                                           rows.head(hq, q0 + vi, lq)),
                                                     dtype)
@@ -470,7 +471,7 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                                 dSt[vj, vi] = T.cast(_capped(
                                     T.cast(Pt[vj, vi], f32) * (dPt[vj, vi] - delta_s[vi]),
                                     St[vj, vi], scale, mods,
-                                    ModArgs(Slopes, window_left, window_right, softcap)), dtype)
+                                    ma), dtype)
                         m.gemm_4("dK_gemm", dKp, dSt, Qs, BK, D, BQ, plain)
                         m.add_2("dK_update", dk_acc, dKp, BK, D)
 

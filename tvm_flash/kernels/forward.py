@@ -224,6 +224,7 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
         Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), f32)
         CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
         CuK = T.match_buffer(cuk_h, (NS1,), "int32")
+        ma = T.meta_var(ModArgs(Slopes, window_left, window_right, softcap))
 
         for b, h, qt in T.grid(NS1 - 1 if varlen else B, Hq,
                                T.ceildiv(max_seqlen_q if varlen else Lq, BQ)):
@@ -242,11 +243,11 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
                 c = T.sblock_alloc_buffer((6,), "int64", scope="local")
                 pin("coords", c, T.int64(0) if varlen else vb, vh, vh // group, vt * BQ,
                     first_key(causal, vt * BQ, lq, lk, tile.block_k, T.int64(0), mods,
-                              ModArgs(Slopes, window_left, window_right, softcap)),
+                              ma),
                     # a tile past its sequence's end walks no key
                     T.if_then_else(vt * BQ < lq, lk, T.int64(0)) if varlen else Lk)
                 attend(Q, K, V, Sinks, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], lq, lk,
-                       scale, ModArgs(Slopes, window_left, window_right, softcap),
+                       scale, ma,
                        sq[0] if varlen else None, sq[2] if varlen else None,
                        vb if varlen else c[0])
 
@@ -301,6 +302,7 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
         Mpart = T.match_buffer(m_h, (BS, Hq, Lq), f32)
         Lpart = T.match_buffer(l_h, (BS, Hq, Lq), f32)
         Slopes = T.match_buffer(slopes_h, (B, Hq), f32)
+        ma = T.meta_var(ModArgs(Slopes, window_left, window_right, softcap))
 
         for b, hk, rt, s in T.grid(B, Hkv, T.ceildiv(group * Lq, BQ), BS // B):
             with T.sblock("tile"):
@@ -315,10 +317,10 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
                 # packed rows: the tile's first query position is only known to be >= 0
                 pin("coords", c, vb, vhk * group, vhk, vt * BQ,
                     first_key(causal, T.int64(0), Lq, Lk, BK, vs * split_size(Lk, BS // B, BK),
-                              mods, ModArgs(Slopes, window_left, window_right, softcap)),
+                              mods, ma),
                     T.min((vs + 1) * split_size(Lk, BS // B, BK), Lk))
                 attend(Q, K, V, Q, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
-                       scale, ModArgs(Slopes, window_left, window_right, softcap), None, None,
+                       scale, ma, None, None,
                        c[0])
                 store_o("part_store", Opart, acc, vs * B + c[0], c[1], c[3], Lq, BQ, D,
                         T.float32(1), f32, rows)
