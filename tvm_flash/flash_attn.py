@@ -22,16 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import (
-    BLHD,
-    THD,
-    check_inputs,
-    check_mods,
-    check_packed,
-    forward,
-    varlen_forward,
-)
-from .ops import _packed_view as packed_view
+from .ops import BLHD, check_inputs, check_mods, check_varlen_inputs, forward, varlen_forward
 
 
 def _refuse_unsupported(dropout_p) -> None:
@@ -156,13 +147,10 @@ def _attend_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                    return_attn_probs, names=None):
     """Validated packed ``(total, H, D)`` inputs -> flash-attn's return value."""
     mode = "bottom-right" if causal else "none"
-    names = {"scale": "softmax_scale", **(names or {})}
-    packed = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          names)
-    scale = check_inputs(packed_view(q), packed_view(k), packed_view(v), causal=mode,
-                         scale=softmax_scale, enable_gqa=True, names=names)
-    mods = check_mods(q, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                      layout=THD, batch=packed.count)
+    packed, scale, mods = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=mode,
+        scale=softmax_scale, enable_gqa=True, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, names={"scale": "softmax_scale", **(names or {})})
     out, lse = varlen_forward(q, k, v, packed, None, mode, scale, mods)
     return (out, lse, None) if return_attn_probs else out
 

@@ -555,6 +555,20 @@ def check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return Packed(cus["cu_seqlens_q"][0], cus["cu_seqlens_k"][0], *maxes)
 
 
+def check_varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                        causal: str, scale, enable_gqa: bool, sinks=None, window_size=(-1, -1),
+                        softcap=0.0, alibi_slopes=None, names: dict | None = None):
+    """Every check of a packed-sequence call, in order — the packing (:func:`check_packed`),
+    q, k, v and the rest as :func:`check_inputs` sees them on the ``(1, H, total, D)`` views,
+    the score modifiers (slopes per sequence) — returning ``(Packed, scale, ScoreMods)``."""
+    packed = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, names)
+    scale = check_inputs(_packed_view(q), _packed_view(k), _packed_view(v), causal=causal,
+                         scale=scale, enable_gqa=enable_gqa, sinks=sinks, names=names)
+    mods = check_mods(q, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                      layout=THD, batch=packed.count)
+    return packed, scale, mods
+
+
 def _packed_view(t):
     """``(total, H, D)`` -> the kernels' ``(1, H, total, D)`` view (no copy)."""
     return t.transpose(0, 1).unsqueeze(0)
@@ -604,11 +618,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
         raise ValueError(f"causal_alignment: {causal_alignment!r} is not one of "
                          f"{CAUSAL_ALIGNMENTS}")
     causal = causal_alignment if is_causal else "none"
-    packed = check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    scale = check_inputs(_packed_view(q), _packed_view(k), _packed_view(v), causal=causal,
-                         scale=scale, enable_gqa=enable_gqa, sinks=sinks)
-    mods = check_mods(q, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                      layout=THD, batch=packed.count)
+    packed, scale, mods = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        scale=scale, enable_gqa=enable_gqa, sinks=sinks, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes)
     if sinks is not None:
         sinks = sinks.float().contiguous()
     out, lse = varlen_forward(q, k, v, packed, sinks, causal, scale, mods)
