@@ -32,6 +32,7 @@ Lq = Lk = 4096; CPU: B = 1, 4 heads, 256), which every runtime length uses.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -200,13 +201,8 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
     # never ask for more trials than a tile's space holds: MetaSchedule's search would then
     # keep drawing no new candidate, forever
     per_tile = max(1, min(trials // len(tiles), space_size(key)))
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
-        work_workloads, work_records = tmp / "database_workload.json", tmp / RECORDS
-        if (directory / RECORDS).exists():  # resume
-            work_workloads.write_text(_regenerate_workloads(directory, key, shape))
-            shutil.copy(directory / RECORDS, work_records)
-        database = ms.database.JSONDatabase(str(work_workloads), str(work_records))
+    with _work_database(directory,
+                        lambda: _regenerate_workloads(directory, key, shape)) as (database, tmp):
         for tile in tiles:
             log(f"{key.name}: tile {tile.block_q}x{tile.block_k}, {per_tile} trials")
             _drop_unnamed_log_handlers()
@@ -219,10 +215,8 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
         best = min(records, key=lambda r: _mean_secs(r.run_secs), default=None)
         if best is None or _mean_secs(best.run_secs) == float("inf"):
             raise TuningLogError(f"{key.name}: no candidate was measured successfully")
-        _prune(work_records, keep_top)
-        shutil.copy(work_records, directory / RECORDS)
-        index = _workload_index(work_workloads, key, shape)
-        (directory / WORKLOAD_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        _keep_log(directory, tmp, keep_top,
+                  _workload_index(tmp / WORKLOAD_FILE, key, shape))
     summary = {"key": key.name, "target": key.target, "bucket": "any",
                "best": {**decisions_of(best.trace), "run_us": _mean_secs(best.run_secs) * 1e6},
                "measured": len(records), "date": datetime.date.today().isoformat(),
@@ -231,6 +225,33 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
     (directory / SUMMARY).write_text(json.dumps(summary, indent=1, sort_keys=True))
     log(f"{key.name}: best {summary['best']} of {len(records)} measured candidates")
     return summary
+
+
+WORKLOAD_FILE = "database_workload.json"
+"""A tuning run's scratch workload file (the log keeps an index instead, ``WORKLOAD_INDEX``)."""
+
+
+@contextlib.contextmanager
+def _work_database(directory: pathlib.Path, regenerate):
+    """``(database, tmp)``: a scratch MetaSchedule JSON database in ``tmp`` for one tuning
+    run, holding the log's records under ``directory`` when it resumes one (its workloads
+    made again by ``regenerate()``)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        if (directory / RECORDS).exists():  # resume
+            (tmp / WORKLOAD_FILE).write_text(regenerate())
+            shutil.copy(directory / RECORDS, tmp / RECORDS)
+        yield ms.database.JSONDatabase(str(tmp / WORKLOAD_FILE), str(tmp / RECORDS)), tmp
+
+
+def _keep_log(directory: pathlib.Path, tmp: pathlib.Path, keep_top: int, index: list) -> None:
+    """Write a tuning run's records back to its log (the fastest ``keep_top`` per workload)
+    with the index of their workloads."""
+    _prune(tmp / RECORDS, keep_top)
+    shutil.copy(tmp / RECORDS, directory / RECORDS)
+    (directory / WORKLOAD_INDEX).write_text(json.dumps(index, indent=1) + "\n")
 
 
 def _refuse_lowered(key: KernelKey, variants_ok: bool = False) -> None:
@@ -429,13 +450,8 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
     directory.mkdir(parents=True, exist_ok=True)
     mods = [variant_workload(key, v, shape) for v in found]
     shashes = [ms.database.Workload(m).as_json()[0] for m in mods]
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
-        work_workloads, work_records = tmp / "database_workload.json", tmp / RECORDS
-        if (directory / RECORDS).exists():  # resume
-            work_workloads.write_text(_regenerate_variants(directory, key, shape))
-            shutil.copy(directory / RECORDS, work_records)
-        database = ms.database.JSONDatabase(str(work_workloads), str(work_records))
+    with _work_database(directory,
+                        lambda: _regenerate_variants(directory, key, shape)) as (database, tmp):
         secs = {}  # variant index -> mean seconds
         for rec in database.get_all_tuning_records():
             shash = ms.database.Workload(rec.workload.mod).as_json()[0]
@@ -503,12 +519,10 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
         best = min(measured, key=measured.get)
         scored = [i for i in predicted if i in measured]
         ranking = _spearman([predicted[i] for i in scored], [1 / measured[i] for i in scored])
-        _prune(work_records, keep_top)
-        shutil.copy(work_records, directory / RECORDS)
-        index = [{"variant": found[shashes.index(json.loads(line)[0])],
-                  "shash": json.loads(line)[0]}
-                 for line in work_workloads.read_text().splitlines() if line.strip()]
-        (directory / WORKLOAD_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        lines = (tmp / WORKLOAD_FILE).read_text().splitlines()
+        _keep_log(directory, tmp, keep_top,
+                  [{"variant": found[shashes.index(json.loads(line)[0])],
+                    "shash": json.loads(line)[0]} for line in lines if line.strip()])
     summary = {"key": key.name, "target": key.target, "bucket": "any",
                "best": {"variant": found[best], "run_us": measured[best] * 1e6},
                "default_us": measured.get(0, float("inf")) * 1e6, "measured": len(measured),
