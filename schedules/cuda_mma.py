@@ -45,14 +45,21 @@ from tvm.script import tirx as T
 
 from tvm_flash.kernels.common import (
     LOG2E,
+    ModArgs,
+    Mods,
     TileConfig,
     causal_offset,
     exp2_clamped,
+    first_key,
     first_query_tile,
+    modified_score,
     neg_inf,
     num_key_tiles,
+    query_tiles_end,
     row_lse,
+    softcap_slope,
     strides,
+    trim_params,
     visible,
 )
 from tvm_flash.key import KernelKey
@@ -127,15 +134,23 @@ class MmaTile:
         return TileConfig(self.rows, self.step)
 
 
-def supports(key: KernelKey) -> bool:
-    """Whether ``key`` runs on these kernels: fwd/dq/dkv/bwd_pre, fp16/bf16, D in HEAD_DIMS,
-    sm_80+, no score modifier (``tvm_flash.key.MODS``), not packed sequences (``varlen``): not
-    written here yet."""
+def writes(key: KernelKey) -> bool:
+    """Whether this module has a kernel for ``key``: fwd/dq/dkv/bwd_pre, fp16/bf16, D in
+    HEAD_DIMS, sm_80+; forward, dQ and dK/dV also with score modifiers
+    (``tvm_flash.key.MODS``) and for packed sequences (``varlen``)."""
     # "90a": Hopper with its arch-specific instructions, still an sm_90 for mma.sync
     arch = key.target[len("cuda-sm_"):].removesuffix("a") if key.target.startswith(
         "cuda-sm_") else ""
     return (key.op in OPS + ROW_OPS and key.dtype in _PTX and key.head_dim in HEAD_DIMS
-            and arch.isdigit() and int(arch) >= 80 and not key.mods and not key.varlen)
+            and arch.isdigit() and int(arch) >= 80)
+
+
+def supports(key: KernelKey) -> bool:
+    """Whether ``key`` runs on these kernels (:func:`writes`). Those with score modifiers or
+    for packed sequences ran against float64 on the H200 (cuda-sm_90 keys, forward, dQ and
+    dK/dV at D 64, 128 and 256, soft cap alone and with window and ALiBi, packed, bf16:
+    ``scripts/sweep_hopper.py --mma --mods ... --varlen``)."""
+    return writes(key)
 
 
 def tile_config(key: KernelKey) -> TileConfig:
@@ -474,24 +489,49 @@ class _KeyWalk:
 
     def __init__(self, f: _Fragments, key: KernelKey, tile: MmaTile):
         BQ, BK, stages, causal, group = tile.rows, tile.step, tile.stages, key.causal, key.group
+        mods, varlen = Mods(key.window, key.softcap, key.alibi), key.varlen
 
         @T.macro
-        def coords(c, bx, nqt, B, Hq, Lq, Lk):
-            """``c``: batch, head, kv head, first query row, key tiles to walk."""
-            t, bh = T.meta_var(_block_order(causal, bx, nqt, B * Hq))
+        def coords(c, bx, nqt, heads, Hq, Lq, Lk, ma, sq, cu_q, cu_k):
+            """``c``: batch, head, kv head, first query row, key tiles to walk, and under a
+            window the first key tile's first key. ``varlen``: the (batch x head) index is
+            (sequence x head); the sequence's first query row, query length, first key row,
+            key length and index go to ``sq[0:5]``, the batch is 0, positions count within
+            the sequence and a tile past its end walks no key tile."""
+            t, bh = T.meta_var(_block_order(causal, bx, nqt, heads))
             c[3] = (nqt - 1 - t) * BQ
-            c[0] = bh // Hq
+            if varlen:
+                c[0] = T.int64(0)
+                sq[4] = bh // Hq
+                sq[0] = T.cast(cu_q[sq[4]], "int64")
+                sq[1] = T.cast(cu_q[sq[4] + 1], "int64") - sq[0]
+                sq[2] = T.cast(cu_k[sq[4]], "int64")
+                sq[3] = T.cast(cu_k[sq[4] + 1], "int64") - sq[2]
+            else:
+                c[0] = bh // Hq
             c[1] = bh % Hq
             c[2] = c[1] // group
-            c[4] = num_key_tiles(causal, c[3], BQ, Lq, Lk, BK, T.int64(0), Lk)
+            lq = T.meta_var(sq[1] if varlen else Lq)
+            lk = T.meta_var(sq[3] if varlen else Lk)
+            if mods.window:
+                c[5] = first_key(causal, c[3], lq, lk, BK, T.int64(0), mods, ma)
+            c[4] = num_key_tiles(causal, c[3], BQ, lq, lk, BK, c[5] if mods.window
+                                 else T.int64(0), lk, mods, ma)
+            if varlen:
+                if c[3] >= lq:
+                    c[4] = T.int64(0)
 
         @T.macro
-        def prefetch(Ks, Vs, K, V, c, t, Lk, tx):
+        def prefetch(Ks, Vs, K, V, c, t, Lk, tx, sq):
             """Start copying key tile ``t`` (if there is one) into its stage; one commit group
             either way, so that ``ready`` always waits for the right one."""
+            first = T.meta_var(_offset(sq[2] if varlen else 0, c[5] if mods.window else 0))
+            end = T.meta_var(sq[2] + sq[3] if varlen else Lk)
             if t < c[4]:
-                f.copy_rows(Ks, t % stages * BK, K, c[0], c[2], t * BK, Lk, BK, tx, True)
-                f.copy_rows(Vs, t % stages * BK, V, c[0], c[2], t * BK, Lk, BK, tx, True)
+                f.copy_rows(Ks, t % stages * BK, K, c[0], c[2], _plus(t * BK, first), end, BK,
+                            tx, True)
+                f.copy_rows(Vs, t % stages * BK, V, c[0], c[2], _plus(t * BK, first), end, BK,
+                            tx, True)
             T.ptx.cp.async_.commit_group()
 
         self.coords, self.prefetch, self.ready = coords, prefetch, f.ready
@@ -512,6 +552,15 @@ def _plus(x, offset):
     """``x + offset``, or ``x`` itself where ``offset`` is the literal 0 (leaves the source of
     unsplit kernels as it was)."""
     return x if isinstance(offset, int) and offset == 0 else x + offset
+
+
+def _offset(*terms):
+    """The sum of ``terms`` without the literal zeros (0 where all are)."""
+    kept = [t for t in terms if not (isinstance(t, int) and t == 0)]
+    total = kept[0] if kept else 0
+    for t in kept[1:]:
+        total = total + t
+    return total
 
 
 def _smem_limit(key: KernelKey) -> int:
@@ -561,8 +610,15 @@ def flash_forward(key: KernelKey, tile: MmaTile):
 
     Differences in expression only: the row max is taken on the raw scores (``scale > 0``), so
     the scale and log2(e) fold into the exponent's FMA; the output rows are rescaled only when
-    one of the thread's row maxima moved (the factor is exactly 1 otherwise)."""
+    one of the thread's row maxima moved (the factor is exactly 1 otherwise).
+
+    Score modifiers (``key.window``, ``softcap``, ``alibi``; their values the trailing
+    ``MOD_ARGS``): the window's key tiles only, each masked; a soft cap or ALiBi rewrites S in
+    base 2 before the softmax (then the row max is the rewritten one's). ``key.varlen``: a
+    block's query tile lies in one sequence of the packed rows (``VARLEN_ARGS``)."""
     D, dtype, causal, sinks = key.head_dim, key.dtype, key.causal, key.sinks
+    mods, varlen = Mods(key.window, key.softcap, key.alibi), key.varlen
+    rescored = mods.softcap or mods.alibi
     W, BQ, BK, stages, MT = tile.warps, tile.rows, tile.step, tile.stages, tile.mtiles
     NT = W * WARP
     f = _Fragments(D, dtype, tile)
@@ -574,7 +630,10 @@ def flash_forward(key: KernelKey, tile: MmaTile):
 
     @T.prim_func
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, sinks_h: T.handle,
-                  o_h: T.handle, lse_h: T.handle, scale: T.float32):
+                  o_h: T.handle, lse_h: T.handle, scale: T.float32, slopes_h: T.handle,
+                  window_left: T.int64, window_right: T.int64, softcap: T.float32,
+                  cuq_h: T.handle, cuk_h: T.handle, max_seqlen_q: T.int64,
+                  max_seqlen_k: T.int64):
         T.func_attr({"global_symbol": "flash_fwd", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         Q_in = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
@@ -583,13 +642,18 @@ def flash_forward(key: KernelKey, tile: MmaTile):
         O_in = T.match_buffer(o_h, (B, Hq, Lq, D), dtype, strides=strides("o"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Sinks = T.match_buffer(sinks_h, (Hq,), F32)
+        NS1, NSL = T.int64(), T.int64()
+        Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), F32)
+        CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
+        CuK = T.match_buffer(cuk_h, (NS1,), "int32")
         _require_vector_rows("flash_fwd", Q_in, K_in, V_in, O_in)
         Q = _vector_rows(Q_in)
         K = _vector_rows(K_in)
         V = _vector_rows(V_in)
         O = _vector_rows(O_in)
-        nqt = T.meta_var(T.ceildiv(Lq, BQ))
-        bx = T.launch_thread("blockIdx.x", B * Hq * nqt)
+        nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BQ))
+        heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
+        bx = T.launch_thread("blockIdx.x", heads * nqt)
         tx = T.launch_thread("threadIdx.x", NT)
         Qs = T.alloc_buffer((BQ, D + ROW_PAD), dtype, scope="shared.dyn")
         Ks = T.alloc_buffer((stages * BK, D + ROW_PAD), dtype, scope="shared.dyn")
@@ -603,16 +667,28 @@ def flash_forward(key: KernelKey, tile: MmaTile):
         mn = T.alloc_buffer((R,), F32, scope="local")
         msub = T.alloc_buffer((R,), F32, scope="local")
         lsum = T.alloc_buffer((R,), F32, scope="local")
-        c = T.alloc_buffer((5,), "int64", scope="local")
-        walk.coords(c, bx, nqt, B, Hq, Lq, Lk)
+        c = T.alloc_buffer((6 if mods.window else 5,), "int64", scope="local")
+        if varlen:  # the tile's sequence: first q row, length, first k row, length, index
+            sq = T.alloc_buffer((5,), "int64", scope="local")
+        if mods.alibi:  # the tile's slope (its head's), as ModArgs.slopes[0, 0]
+            sl = T.alloc_buffer((1, 1), F32, scope="local")
+        ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
+                                softcap))
+        walk.coords(c, bx, nqt, heads, Hq, Lq, Lk, ma, sq if varlen else None, CuQ, CuK)
+        if mods.alibi:
+            sl[0, 0] = Slopes[sq[4] if varlen else c[0], c[1]]
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
         row = T.meta_var(c[3] + w * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's rows
-        scale2 = T.meta_var(scale * T.float32(LOG2E))
+        scale2 = T.meta_var(T.float32(1) if rescored else scale * T.float32(LOG2E))
+        lq = T.meta_var(sq[1] if varlen else Lq)  # positions count within the sequence
+        lk = T.meta_var(sq[3] if varlen else Lk)
+        qoff = T.meta_var(sq[0] if varlen else 0)  # its first row in the packed rows
 
-        f.copy_rows(Qs, 0, Q, c[0], c[1], c[3], Lq, BQ, tx, False)
+        f.copy_rows(Qs, 0, Q, c[0], c[1], _offset(qoff, c[3]), _offset(qoff, lq), BQ, tx,
+                    False)
         for pt in T.unroll(stages - 1):
-            walk.prefetch(Ks, Vs, K, V, c, T.int64(pt), Lk, tx)
+            walk.prefetch(Ks, Vs, K, V, c, T.int64(pt), Lk, tx, sq if varlen else None)
         T.tvm_storage_sync("shared")
         if QREG:
             f.load_a(qf, Qs, w * MT * 16, lane)
@@ -626,18 +702,26 @@ def flash_forward(key: KernelKey, tile: MmaTile):
                 lsum[r] = T.float32(0)
 
         for kt in T.serial(c[4]):
-            k0 = T.meta_var(kt * BK)
-            walk.prefetch(Ks, Vs, K, V, c, kt + stages - 1, Lk, tx)
+            k0 = T.meta_var(_offset(kt * BK, c[5] if mods.window else 0))
+            walk.prefetch(Ks, Vs, K, V, c, kt + stages - 1, Lk, tx, sq if varlen else None)
             walk.ready()
             f.zero(s, MT * NS * 4)
             if QREG:
                 f.gemm_nt(s, qf, None, 0, Ks, kt % stages * BK, BK, bf, lane)
             else:
                 f.gemm_nt(s, None, Qs, w * MT * 16, Ks, kt % stages * BK, BK, bf, lane)
-            if _mask_needed(causal, c[3], BQ, k0, BK, Lk, Lq, Lk):
+            if rescored:  # the modified score in base 2 (scale2 is then 1)
+                for i in T.unroll(MT * NS * 4):
+                    s[i] = modified_score(s[i], scale, mods, ma, causal, 0, 0,
+                                          row + _row_offset(i, NS),
+                                          k0 + lane % 4 * 2 + _col_offset(i, NS), lq,
+                                          lk) * T.float32(LOG2E)
+            if T.bool(True) if mods.window else _mask_needed(causal, c[3], BQ, k0, BK, lk, lq,
+                                                             lk):
                 for i in T.unroll(MT * NS * 4):
                     if not visible(causal, row + _row_offset(i, NS),
-                                   k0 + lane % 4 * 2 + _col_offset(i, NS), Lq, Lk):
+                                   k0 + lane % 4 * 2 + _col_offset(i, NS), lq, lk, None, mods,
+                                   ma):
                         s[i] = neg_inf()
             # online softmax in base 2 (kernels.forward): new max, rounded P, rescale
             for r in T.unroll(R):
@@ -669,27 +753,32 @@ def flash_forward(key: KernelKey, tile: MmaTile):
                                    T.float32(1) / lsum[r])
         for i in T.unroll(MT * NO * 4):
             acc[i] = acc[i] * mn[_lane_row(i, NO)]
-        f.store_rows(O, c[0], c[1], c[3], Lq, acc, T.float32(1), w, lane)
+        f.store_rows(O, c[0], c[1], _offset(qoff, c[3]), _offset(qoff, lq), acc, T.float32(1),
+                     w, lane)
         for mi in T.unroll(MT):
             for r in T.unroll(2):
-                if lane % 4 == 0 and row + mi * 16 + r * 8 < Lq:
-                    LSE[c[0], c[1], row + mi * 16 + r * 8] = row_lse(m[mi * 2 + r],
-                                                                     lsum[mi * 2 + r])
+                if lane % 4 == 0 and row + mi * 16 + r * 8 < lq:
+                    LSE[c[0], c[1], _offset(qoff, row + mi * 16 + r * 8)] = row_lse(
+                        m[mi * 2 + r], lsum[mi * 2 + r])
 
-    return flash_fwd
+    return trim_params(flash_fwd, mods, varlen)
 
 
-def _prob(s, scale, lse, guarded: bool = True):
-    """``kernels.backward._prob`` on an unmasked element: 0 for a row without keys (LSE -inf).
-    Unguarded: the caller passes LSE = +inf for such a row (``exp2(-inf) = 0``), one select per
-    row instead of one per element."""
-    p = exp2_clamped((s * scale - lse) * T.float32(LOG2E))
+def _prob(score, lse, guarded: bool = True):
+    """``kernels.backward._prob`` on an unmasked element of scaled (and modified) ``score``
+    (``common.modified_score``): 0 for a row without keys (LSE -inf). Unguarded: the caller
+    passes LSE = +inf for such a row (``exp2(-inf) = 0``), one select per row instead of one
+    per element."""
+    p = exp2_clamped((score - lse) * T.float32(LOG2E))
     return T.if_then_else(lse == neg_inf(), T.float32(0), p) if guarded else p
 
 
 def flash_dq(key: KernelKey, tile: MmaTile):
-    """``flash_dq(q, k, v, do, lse, delta, dq, scale)`` as ``kernels.backward.flash_dq``."""
+    """``flash_dq(q, k, v, do, lse, delta, dq, scale)`` as ``kernels.backward.flash_dq``
+    (score modifiers and packed sequences as :func:`flash_forward`; under a soft cap dS is
+    scaled by its slope ``1 - tanh^2`` of S, taken before P replaces S)."""
     D, dtype, causal = key.head_dim, key.dtype, key.causal
+    mods, varlen = Mods(key.window, key.softcap, key.alibi), key.varlen
     W, BQ, BK, stages, MT = tile.warps, tile.rows, tile.step, tile.stages, tile.mtiles
     NT = W * WARP
     f = _Fragments(D, dtype, tile)
@@ -699,7 +788,10 @@ def flash_dq(key: KernelKey, tile: MmaTile):
 
     @T.prim_func
     def flash_dq(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
-                 delta_h: T.handle, dq_h: T.handle, scale: T.float32):
+                 delta_h: T.handle, dq_h: T.handle, scale: T.float32, slopes_h: T.handle,
+                 window_left: T.int64, window_right: T.int64, softcap: T.float32,
+                 cuq_h: T.handle, cuk_h: T.handle, max_seqlen_q: T.int64,
+                 max_seqlen_k: T.int64):
         T.func_attr({"global_symbol": "flash_dq", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         Q_in = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
@@ -709,14 +801,19 @@ def flash_dq(key: KernelKey, tile: MmaTile):
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
         dQ_in = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype, strides=strides("dq"))
+        NS1, NSL = T.int64(), T.int64()
+        Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), F32)
+        CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
+        CuK = T.match_buffer(cuk_h, (NS1,), "int32")
         _require_vector_rows("flash_dq", Q_in, K_in, V_in, dO_in, dQ_in)
         Q = _vector_rows(Q_in)
         K = _vector_rows(K_in)
         V = _vector_rows(V_in)
         dO = _vector_rows(dO_in)
         dQ = _vector_rows(dQ_in)
-        nqt = T.meta_var(T.ceildiv(Lq, BQ))
-        bx = T.launch_thread("blockIdx.x", B * Hq * nqt)
+        nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BQ))
+        heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
+        bx = T.launch_thread("blockIdx.x", heads * nqt)
         tx = T.launch_thread("threadIdx.x", NT)
         Qs = T.alloc_buffer((BQ, D + ROW_PAD), dtype, scope="shared.dyn")
         dOs = T.alloc_buffer((BQ, D + ROW_PAD), dtype, scope="shared.dyn")
@@ -729,59 +826,87 @@ def flash_dq(key: KernelKey, tile: MmaTile):
         acc = T.alloc_buffer((MT * NO * 4,), F32, scope="local")
         lse = T.alloc_buffer((2 * MT,), F32, scope="local")
         delta = T.alloc_buffer((2 * MT,), F32, scope="local")
-        c = T.alloc_buffer((5,), "int64", scope="local")
-        walk.coords(c, bx, nqt, B, Hq, Lq, Lk)
+        c = T.alloc_buffer((6 if mods.window else 5,), "int64", scope="local")
+        if varlen:  # the tile's sequence: first q row, length, first k row, length, index
+            sq = T.alloc_buffer((5,), "int64", scope="local")
+        if mods.alibi:  # the tile's slope (its head's), as ModArgs.slopes[0, 0]
+            sl = T.alloc_buffer((1, 1), F32, scope="local")
+        ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
+                                softcap))
+        walk.coords(c, bx, nqt, heads, Hq, Lq, Lk, ma, sq if varlen else None, CuQ, CuK)
+        if mods.alibi:
+            sl[0, 0] = Slopes[sq[4] if varlen else c[0], c[1]]
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
         row = T.meta_var(c[3] + w * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's rows
+        lq = T.meta_var(sq[1] if varlen else Lq)  # positions count within the sequence
+        lk = T.meta_var(sq[3] if varlen else Lk)
+        qoff = T.meta_var(sq[0] if varlen else 0)  # its first row in the packed rows
 
-        f.copy_rows(Qs, 0, Q, c[0], c[1], c[3], Lq, BQ, tx, False)
-        f.copy_rows(dOs, 0, dO, c[0], c[1], c[3], Lq, BQ, tx, False)
+        f.copy_rows(Qs, 0, Q, c[0], c[1], _offset(qoff, c[3]), _offset(qoff, lq), BQ, tx,
+                    False)
+        f.copy_rows(dOs, 0, dO, c[0], c[1], _offset(qoff, c[3]), _offset(qoff, lq), BQ, tx,
+                    False)
         for pt in T.unroll(stages - 1):
-            walk.prefetch(Ks, Vs, K, V, c, T.int64(pt), Lk, tx)
+            walk.prefetch(Ks, Vs, K, V, c, T.int64(pt), Lk, tx, sq if varlen else None)
         for mi in T.unroll(MT):
             for r in T.unroll(2):
                 lse[mi * 2 + r] = pos_inf()  # P = 0 in rows past the end or without keys
                 delta[mi * 2 + r] = T.float32(0)
-                if row + mi * 16 + r * 8 < Lq:
-                    lse[mi * 2 + r] = LSE[c[0], c[1], row + mi * 16 + r * 8]
-                    delta[mi * 2 + r] = Delta[c[0], c[1], row + mi * 16 + r * 8]
+                if row + mi * 16 + r * 8 < lq:
+                    lse[mi * 2 + r] = LSE[c[0], c[1], _offset(qoff, row + mi * 16 + r * 8)]
+                    delta[mi * 2 + r] = Delta[c[0], c[1], _offset(qoff, row + mi * 16 + r * 8)]
                     if lse[mi * 2 + r] == neg_inf():
                         lse[mi * 2 + r] = pos_inf()
         f.zero(acc, MT * NO * 4)
 
         for kt in T.serial(c[4]):
-            k0 = T.meta_var(kt * BK)
-            walk.prefetch(Ks, Vs, K, V, c, kt + stages - 1, Lk, tx)
+            k0 = T.meta_var(_offset(kt * BK, c[5] if mods.window else 0))
+            walk.prefetch(Ks, Vs, K, V, c, kt + stages - 1, Lk, tx, sq if varlen else None)
             walk.ready()
             f.zero(s, MT * NS * 4)
             f.gemm_nt(s, None, Qs, w * MT * 16, Ks, kt % stages * BK, BK, bf, lane)
             f.zero(dp, MT * NS * 4)
             f.gemm_nt(dp, None, dOs, w * MT * 16, Vs, kt % stages * BK, BK, bf, lane)
             # P recomputed from the LSE; dS = P (dP - Delta) rounded to the input dtype
+            if mods.softcap:  # dP - Delta times the cap's slope, from S before P replaces it
+                for i in T.unroll(MT * NS * 4):
+                    dp[i] = (dp[i] - delta[_lane_row(i, NS)]) * softcap_slope(s[i], scale,
+                                                                              mods, ma)
             for i in T.unroll(MT * NS * 4):
-                s[i] = _prob(s[i], scale, lse[_lane_row(i, NS)], False)
-            if _mask_needed(causal, c[3], BQ, k0, BK, Lk, Lq, Lk):
+                s[i] = _prob(modified_score(s[i], scale, mods, ma, causal, 0, 0,
+                                            row + _row_offset(i, NS),
+                                            k0 + lane % 4 * 2 + _col_offset(i, NS), lq, lk),
+                             lse[_lane_row(i, NS)], False)
+            if T.bool(True) if mods.window else _mask_needed(causal, c[3], BQ, k0, BK, lk, lq,
+                                                             lk):
                 for i in T.unroll(MT * NS * 4):
                     if not visible(causal, row + _row_offset(i, NS),
-                                   k0 + lane % 4 * 2 + _col_offset(i, NS), Lq, Lk):
+                                   k0 + lane % 4 * 2 + _col_offset(i, NS), lq, lk, None, mods,
+                                   ma):
                         s[i] = T.float32(0)
             for i in T.unroll(MT * NS * 4):
-                ds[i] = T.cast(s[i] * (dp[i] - delta[_lane_row(i, NS)]), dtype)
+                ds[i] = T.cast(s[i] * (dp[i] if mods.softcap
+                                       else dp[i] - delta[_lane_row(i, NS)]), dtype)
             f.gemm_nn(acc, ds, BK, Ks, kt % stages * BK, bf, lane)
             T.tvm_storage_sync("shared")
 
-        f.store_rows(dQ, c[0], c[1], c[3], Lq, acc, scale, w, lane)
+        f.store_rows(dQ, c[0], c[1], _offset(qoff, c[3]), _offset(qoff, lq), acc, scale, w,
+                     lane)
 
-    return flash_dq
+    return trim_params(flash_dq, mods, varlen)
 
 
 def flash_dkv(key: KernelKey, tile: MmaTile):
     """``flash_dkv(q, k, v, do, lse, delta, dk, dv, scale)`` as ``kernels.backward.flash_dkv``:
     a block owns ``tile.rows`` keys of one key/value head and walks every query head of its
     group and every query tile that sees those keys (one flattened, double-buffered loop).
-    A split tile (``MmaTile.split``) passes each step's P^T and dS^T through shared memory."""
+    A split tile (``MmaTile.split``) passes each step's P^T and dS^T through shared memory.
+    Score modifiers and packed sequences as :func:`flash_forward` (a block's keys lie in one
+    sequence; under a window it walks only the query tiles that see them; ALiBi's slope is
+    the step's query head's)."""
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
+    mods, varlen = Mods(key.window, key.softcap, key.alibi), key.varlen
     W, BK, BQ, stages, MT = tile.warps, tile.rows, tile.step, tile.stages, tile.mtiles
     SP = tile.split
     NT = W * WARP
@@ -795,7 +920,7 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
     @T.macro
     def load_step(Qs, dOs, stats, Q, dO, LSE, Delta, b, hq, q0, Lq, stage, tx):
         """Stage ``stage``: the Q and dO tile of query head ``hq`` from row ``q0``, and its LSE
-        and Delta (LSE -inf and Delta 0 past the end)."""
+        and Delta (LSE -inf and Delta 0 from row ``Lq`` on)."""
         f.copy_rows(Qs, stage * BQ, Q, b, hq, q0, Lq, BQ, tx, True)
         f.copy_rows(dOs, stage * BQ, dO, b, hq, q0, Lq, BQ, tx, True)
         if tx < 2 * BQ:
@@ -814,7 +939,9 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
     @T.prim_func
     def flash_dkv(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle,
                   lse_h: T.handle, delta_h: T.handle, dk_h: T.handle, dv_h: T.handle,
-                  scale: T.float32):
+                  scale: T.float32, slopes_h: T.handle, window_left: T.int64,
+                  window_right: T.int64, softcap: T.float32, cuq_h: T.handle, cuk_h: T.handle,
+                  max_seqlen_q: T.int64, max_seqlen_k: T.int64):
         T.func_attr({"global_symbol": "flash_dkv", "tirx.noalias": True})
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         Q_in = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
@@ -825,6 +952,10 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
         dK_in = T.match_buffer(dk_h, (B, Hkv, Lk, D), dtype, strides=strides("dk"))
         dV_in = T.match_buffer(dv_h, (B, Hkv, Lk, D), dtype, strides=strides("dv"))
+        NS1, NSL = T.int64(), T.int64()
+        Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), F32)
+        CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
+        CuK = T.match_buffer(cuk_h, (NS1,), "int32")
         _require_vector_rows("flash_dkv", Q_in, K_in, V_in, dO_in, dK_in, dV_in)
         Q = _vector_rows(Q_in)
         K = _vector_rows(K_in)
@@ -832,8 +963,9 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
         dO = _vector_rows(dO_in)
         dK = _vector_rows(dK_in)
         dV = _vector_rows(dV_in)
-        nkt = T.meta_var(T.ceildiv(Lk, BK))
-        bx = T.launch_thread("blockIdx.x", B * Hkv * nkt)
+        nkt = T.meta_var(T.ceildiv(max_seqlen_k if varlen else Lk, BK))
+        heads = T.meta_var((NS1 - 1 if varlen else B) * Hkv)  # (batch or sequence) x kv head
+        bx = T.launch_thread("blockIdx.x", heads * nkt)
         tx = T.launch_thread("threadIdx.x", NT)
         Ks = T.alloc_buffer((BK, D + ROW_PAD), dtype, scope="shared.dyn")
         Vs = T.alloc_buffer((BK, D + ROW_PAD), dtype, scope="shared.dyn")
@@ -857,13 +989,38 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
         # c: batch, kv head, first key, first query tile that sees it, query tiles per head,
         # steps (query tiles x heads of the group)
         c = T.alloc_buffer((6,), "int64", scope="local")
-        t, bh = T.meta_var(_block_order(causal, bx, nkt, B * Hkv))
+        if varlen:  # the keys' sequence: first q row, length, first k row, length, index
+            sq = T.alloc_buffer((5,), "int64", scope="local")
+        if mods.alibi:  # the step's slope (its query head's), as ModArgs.slopes[0, 0]
+            sl = T.alloc_buffer((1, 1), F32, scope="local")
+        ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
+                                softcap))
+        t, bh = T.meta_var(_block_order(causal, bx, nkt, heads))
         c[2] = (nkt - 1 - t) * BK  # causal: the keys seen by the most queries first
-        c[0] = bh // Hkv
+        if varlen:
+            c[0] = T.int64(0)
+            sq[4] = bh // Hkv
+            sq[0] = T.cast(CuQ[sq[4]], "int64")
+            sq[1] = T.cast(CuQ[sq[4] + 1], "int64") - sq[0]
+            sq[2] = T.cast(CuK[sq[4]], "int64")
+            sq[3] = T.cast(CuK[sq[4] + 1], "int64") - sq[2]
+        else:
+            c[0] = bh // Hkv
         c[1] = bh % Hkv
-        c[3] = first_query_tile(causal, c[2], Lq, Lk, BQ)
-        c[4] = T.ceildiv(Lq, BQ) - c[3]
+        lq = T.meta_var(sq[1] if varlen else Lq)  # positions count within the sequence
+        lk = T.meta_var(sq[3] if varlen else Lk)
+        qoff = T.meta_var(sq[0] if varlen else 0)  # its first rows in the packed rows
+        koff = T.meta_var(sq[2] if varlen else 0)
+        c[3] = first_query_tile(causal, c[2], lq, lk, BQ, mods=mods, ma=ma)
+        if mods.window:
+            c[4] = T.max(query_tiles_end(lq, lk, BQ, BK, c[2], causal, mods=mods, ma=ma)
+                         - c[3], 0)
+        else:
+            c[4] = T.ceildiv(lq, BQ) - c[3]
         c[5] = c[4] * group
+        if varlen:
+            if c[2] >= lk:  # a key tile past the sequence's end
+                c[5] = T.int64(0)
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
         if SP > 1:  # warp w: keys of group w // SP, queries and columns of part w % SP
@@ -874,13 +1031,14 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
             qw = T.meta_var(0)
         key_row = T.meta_var(c[2] + kg * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's keys
 
-        f.copy_rows(Ks, 0, K, c[0], c[1], c[2], Lk, BK, tx, False)
-        f.copy_rows(Vs, 0, V, c[0], c[1], c[2], Lk, BK, tx, False)
+        f.copy_rows(Ks, 0, K, c[0], c[1], _offset(koff, c[2]), _offset(koff, lk), BK, tx, False)
+        f.copy_rows(Vs, 0, V, c[0], c[1], _offset(koff, c[2]), _offset(koff, lk), BK, tx, False)
         for ps in T.unroll(stages - 1):
             if T.int64(ps) < c[5]:
                 load_step(Qs, dOs, stats, Q, dO, LSE, Delta, c[0],
-                          c[1] * group + T.int64(ps) // c[4], (c[3] + T.int64(ps) % c[4]) * BQ,
-                          Lq, ps, tx)
+                          c[1] * group + T.int64(ps) // c[4],
+                          _offset(qoff, (c[3] + T.int64(ps) % c[4]) * BQ), _offset(qoff, lq),
+                          ps, tx)
             T.ptx.cp.async_.commit_group()
         f.zero(dk, MT * NO * 4)
         f.zero(dv, MT * NO * 4)
@@ -890,35 +1048,50 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
             ahead = T.meta_var(i + stages - 1)
             if ahead < c[5]:
                 load_step(Qs, dOs, stats, Q, dO, LSE, Delta, c[0], c[1] * group + ahead // c[4],
-                          (c[3] + ahead % c[4]) * BQ, Lq, ahead % stages, tx)
+                          _offset(qoff, (c[3] + ahead % c[4]) * BQ), _offset(qoff, lq),
+                          ahead % stages, tx)
             T.ptx.cp.async_.commit_group()
             f.ready()
-            sq = T.meta_var(i % stages * BQ)  # this step's rows of Qs / dOs
+            sq_ = T.meta_var(i % stages * BQ)  # this step's rows of Qs / dOs
             ss = T.meta_var(i % stages * 2 * BQ)  # and of stats
             # S^T = K Q^T and dP^T = V dO^T in one loop; P^T recomputed from the LSE of each
             # column (query)
             f.zero(st, MT * NS * 4)
             f.zero(dpt, MT * NS * 4)
-            f.gemm_nt_pair(st, None, Ks, Qs, dpt, Vs, dOs, kg * MT * 16, _plus(sq, qw), BQW, bf,
-                           bf2, lane)
+            f.gemm_nt_pair(st, None, Ks, Qs, dpt, Vs, dOs, kg * MT * 16, _plus(sq_, qw), BQW,
+                           bf, bf2, lane)
+            if mods.alibi:
+                sl[0, 0] = Slopes[sq[4] if varlen else c[0], c[1] * group + i // c[4]]
+            if mods.softcap:  # dP^T - Delta times the cap's slope, from S^T before P^T
+                for i2, e in T.grid(MT * NS, 4):
+                    dpt[i2 * 4 + e] = (dpt[i2 * 4 + e] - stats[
+                        _plus(ss + BQ, qw) + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]
+                    ) * softcap_slope(st[i2 * 4 + e], scale, mods, ma)
             for i2, e in T.grid(MT * NS, 4):
                 st[i2 * 4 + e] = T.cast(T.cast(_prob(
-                    st[i2 * 4 + e], scale,
+                    modified_score(st[i2 * 4 + e], scale, mods, ma, causal, 0, 0,
+                                   _plus(q0, qw) + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS),
+                                   key_row + _row_offset(i2 * 4 + e, NS), lq, lk),
                     stats[_plus(ss, qw) + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
                     dtype), F32)
-            if _mask_needed(causal, c[2], BK, q0, BQ, Lq, Lq, Lk, transposed=True):
+            if T.bool(True) if mods.window else _mask_needed(causal, c[2], BK, q0, BQ, lq, lq,
+                                                             lk, transposed=True):
                 for i2, e in T.grid(MT * NS, 4):
                     if not visible(causal,
                                    _plus(q0, qw) + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS),
-                                   key_row + _row_offset(i2 * 4 + e, NS), Lq, Lk):
+                                   key_row + _row_offset(i2 * 4 + e, NS), lq, lk, None, mods,
+                                   ma):
                         st[i2 * 4 + e] = T.float32(0)
             # dS^T = P^T (dP^T - Delta); dV += P^T dO and dK += dS^T Q in one loop
             for i2, e in T.grid(MT * NS, 4):
                 pt[i2 * 4 + e] = T.cast(st[i2 * 4 + e], dtype)
-                dst[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * (
-                    dpt[i2 * 4 + e]
-                    - stats[_plus(ss + BQ, qw) + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
-                    dtype)
+                if mods.softcap:
+                    dst[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * dpt[i2 * 4 + e], dtype)
+                else:
+                    dst[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * (
+                        dpt[i2 * 4 + e]
+                        - stats[_plus(ss + BQ, qw) + lane % 4 * 2
+                                + _col_offset(i2 * 4 + e, NS)]), dtype)
             if SP > 1:  # every warp of the group takes the whole step's P^T and dS^T
                 for i2, e in T.grid(MT * NS * 2, 2):
                     Ps[kg * MT * 16 + lane // 4 + _row_offset(i2 * 2, NS),
@@ -926,21 +1099,23 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
                     dSs[kg * MT * 16 + lane // 4 + _row_offset(i2 * 2, NS),
                         qw + lane % 4 * 2 + _col_offset(i2 * 2, NS) + e] = dst[i2 * 2 + e]
                 T.tvm_storage_sync("shared")
-                f.gemm_nn_pair_split(dv, Ps, dOs, dk, dSs, Qs, kg * MT * 16, sq, w % SP * D // SP,
-                                     bf, bf2, lane)
+                f.gemm_nn_pair_split(dv, Ps, dOs, dk, dSs, Qs, kg * MT * 16, sq_,
+                                     w % SP * D // SP, bf, bf2, lane)
             else:
-                f.gemm_nn_pair(dv, pt, dOs, dk, dst, Qs, BQ, sq, bf, bf2, lane)
+                f.gemm_nn_pair(dv, pt, dOs, dk, dst, Qs, BQ, sq_, bf, bf2, lane)
             T.tvm_storage_sync("shared")
 
+        k_first = T.meta_var(_offset(koff, c[2]))
+        k_end = T.meta_var(_offset(koff, lk))
         if SP > 1:
-            f.store_split(dK, c[0], c[1], c[2], Lk, dk, scale, kg, w % SP * D // SP, lane)
-            f.store_split(dV, c[0], c[1], c[2], Lk, dv, T.float32(1), kg, w % SP * D // SP,
-                          lane)
+            f.store_split(dK, c[0], c[1], k_first, k_end, dk, scale, kg, w % SP * D // SP, lane)
+            f.store_split(dV, c[0], c[1], k_first, k_end, dv, T.float32(1), kg,
+                          w % SP * D // SP, lane)
         else:
-            f.store_rows(dK, c[0], c[1], c[2], Lk, dk, scale, w, lane)
-            f.store_rows(dV, c[0], c[1], c[2], Lk, dv, T.float32(1), w, lane)
+            f.store_rows(dK, c[0], c[1], k_first, k_end, dk, scale, w, lane)
+            f.store_rows(dV, c[0], c[1], k_first, k_end, dv, T.float32(1), w, lane)
 
-    return flash_dkv
+    return trim_params(flash_dkv, mods, varlen)
 
 
 PRE_ROWS = 32

@@ -441,7 +441,8 @@ def main(argv=None) -> int:
                         "'{\"64\": [{\"step\": 192}], \"dkv:128\": [null, {\"step\": 32}]}'")
     p.add_argument("--seqlens", default="4096", help="timed lengths ('' : check only)")
     p.add_argument("--mma", action="store_true",
-                   help="also check and time the mma.sync kernels (cuda-sm_90 keys)")
+                   help="also check and time the mma.sync kernels (cuda-sm_90 keys; with "
+                        "--mods / --varlen theirs too, checked)")
     p.add_argument("--mods", default="",
                    help="also score modifiers: comma-separated combinations of window, "
                         "softcap, alibi joined by '+' (checked, not timed)")
@@ -489,6 +490,10 @@ def main(argv=None) -> int:
                 modded = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90a", varlen=packed,
                                    **combo)
                 if cuda_hopper.writes(modded):
+                    jobs.append((modded, None))
+                modded = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90", varlen=packed,
+                                   **combo)
+                if args.mma and cuda_mma.writes(modded):
                     jobs.append((modded, None))
             mma = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90")
             if args.mma and not sinks and g == 1 and cuda_mma.supports(mma):
