@@ -51,11 +51,12 @@ layouts), SBO ``8 ROW`` (the next 8 rows), a k16 step +2 within an atom and ``R 
 next atom; MN-major LBO ``R ROW`` (the next atom of columns), SBO ``8 ROW``, a k16 step ``16
 ROW`` (16 rows).
 
-Written here but not served until they have run against float64 on a GPU
-(``scripts/sweep_hopper.py``; docs/journal/2026-12-01-hopper.md, -features.md): the 5-GEMM
-dK/dV (``HopperTile(dq=True)``: dQ added in key-tile order into a float32 accumulator), and the
-kernels with score modifiers (:data:`MODS_WRITTEN`) or for packed sequences
-(:data:`VARLEN_WRITTEN`). :func:`variants` lists the tiles a tuner may measure for a key.
+The kernels with score modifiers (:data:`MODS_WRITTEN`) or for packed sequences
+(:data:`VARLEN_WRITTEN`) are served where they ran against float64 on the H200
+(:data:`MODS_SERVED`). Written but not served until it has run there (``scripts/sweep_hopper.py``;
+docs/journal/2026-12-01-hopper.md): the 5-GEMM dK/dV (``HopperTile(dq=True)``: dQ added in
+key-tile order into a float32 accumulator). :func:`variants` lists the tiles a tuner may measure
+for a key.
 """
 
 from __future__ import annotations
@@ -190,20 +191,27 @@ def writes(key: KernelKey) -> bool:
 MODS_WRITTEN = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": HEAD_DIMS}
 """Per op, the head dims written with score modifiers (``tvm_flash.key.MODS``) too — but the
 soft cap on dK/dV's split tile (D 192 and up), whose dK warpgroup would need S^T's slope from
-the other (:func:`writes`). None served until they have run against float64 on a GPU
-(``scripts/sweep_hopper.py --mods``)."""
+the other (:func:`writes`)."""
 
 
 VARLEN_WRITTEN = MODS_WRITTEN
-"""Per op, the head dims written for packed sequences (``KernelKey.varlen``) too, not served
-until they have run against float64 on a GPU."""
+"""Per op, the head dims written for packed sequences (``KernelKey.varlen``) too."""
+
+
+MODS_SERVED = {"fwd": (64, 128, 256), "dq": (64, 128, 256), "dkv": (64, 128)}
+"""Per op, the head dims whose keys with score modifiers or for packed sequences run here:
+those that have run against float64 on the H200 (``scripts/sweep_hopper.py --mods
+window,softcap,alibi,window+softcap+alibi --varlen``, every causal mode, GQA 2, bf16: all
+passed; docs/journal/2026-12-01-features.md). The others take the ``mma.sync`` kernels,
+which have them at every head dim."""
 
 
 def supports(key: KernelKey) -> bool:
-    """Whether ``key`` runs on these kernels (:data:`SERVED`; no score modifier or packed
-    sequences yet)."""
-    return (writes(key) and key.head_dim in SERVED[key.op] and not key.mods
-            and not key.varlen)
+    """Whether ``key`` runs on these kernels: :data:`SERVED`, or with score modifiers or for
+    packed sequences :data:`MODS_SERVED`."""
+    if key.mods or key.varlen:
+        return writes(key) and key.head_dim in MODS_SERVED[key.op]
+    return writes(key) and key.head_dim in SERVED[key.op]
 
 
 def tile(key: KernelKey) -> HopperTile:
@@ -419,6 +427,20 @@ def _locator(causal: str, rows: int, step: int, group: int, mods: Mods = NO_MODS
     return locate
 
 
+def consumer_regs(consumers: int, producer: int = 24) -> int:
+    """The registers a consumer warpgroup's threads get (``setmaxnreg.inc``) when the
+    producer warpgroup keeps ``producer`` (``setmaxnreg.dec``), at most 240.
+
+    ``setmaxnreg`` only moves registers within the block's launch allocation, which is not the
+    whole 64 Ki register file: the compiled count (the launch bound, one block per SM, at most
+    255, a multiple of 8) times the threads, 168 x 384 = 64512 with two consumers. An ``inc``
+    asking for more than the producer's ``dec`` freed waits forever: the 5-GEMM dK/dV's
+    producer at 32 with consumers at 240 (32 x 128 + 240 x 256 = 65536) hung on the H200."""
+    threads = (1 + consumers) * WG
+    pool = min(255, 65536 // threads) // 8 * 8 * threads
+    return min(240, (pool - producer * WG) // (consumers * WG) // 8 * 8)
+
+
 def _desc(d, ptr, ldo: int, sdo: int, swizzle: int):
     """Fill the 64-bit ``wgmma`` matrix descriptor ``d`` for a swizzled tile at ``ptr``
     (offsets in 16-byte units)."""
@@ -470,8 +492,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     v_ldo, v_sdo = BK * ROW, 8 * ROW
     FK, FV, EK, EV = 1, 1 + ST, 1 + 2 * ST, 1 + 3 * ST  # first barrier of each kind
     QE = 1 + 4 * ST
-    # registers: the producer keeps 24, the consumers share the rest of the 64 Ki
-    regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
+    regs_consumer = consumer_regs(NC)  # the producer keeps 24
 
     @T.macro
     def load(buf, bars, tmap, j, g, full, hk, b, koff):
@@ -844,7 +865,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     FULL, EMPTY, QE = 1, 1 + ST, 1 + 2 * ST
     pool_bytes = bar_off + 8 * NB
     kt_ldo, kt_sdo = BK * ROW, 8 * ROW  # K read MN-major (dQ += dS K), as V in the forward
-    regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
+    regs_consumer = consumer_regs(NC)
 
     @T.macro
     def issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, js, jd, do_sd: bool,
@@ -1177,7 +1198,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     FULL, EMPTY, PREADY = 1, 1 + ST, 1 + 2 * ST
     pool_bytes = bar_off + 8 * NB
     qt_ldo, qt_sdo = BQ * ROW, 8 * ROW  # Q and dO read MN-major (dK += dS^T Q, dV += P^T dO)
-    regs_consumer = min(240, (65536 // WG - 24) // NC // 8 * 8)
+    regs_consumer = consumer_regs(NC)
 
     def prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma):
         """P^T of element ``e`` (``_prob`` unguarded) of its modified score (``s * scale``
@@ -1564,8 +1585,9 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             T.cuda.cta_sync()
 
             if tx < WG:  # -------------------------------------------------------- producer
-                # 32, not 24: the writer warp's address arithmetic (32 + 2 x 240 = 512 a thread)
-                T.ptx.setmaxnreg.dec.sync.aligned.u32(32)
+                # 24 as the other kernels, the dQ writer warp too: keeping 32 would leave the
+                # consumers 232 (consumer_regs), and ptxas spills 124 bytes there instead of 68
+                T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
                 if tx == 0 and c[5] > 0:
                     load_kv(Ks, Vs, kmap, vmap, bars, c, None)
                 if tx < 32:  # warp 0: the stages, last query tile first

@@ -19,6 +19,7 @@ from tvm_flash.key import KernelKey
 from tvm_flash.target import cuda_tag, make_target, parse_target
 
 hopper = importlib.import_module("tvm_flash.schedules.cuda_hopper")
+mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
 
 KEYS = [KernelKey("fwd", d, dt, causal, 1, "cuda-sm_90a")
         for d, dt, causal in itertools.product((64, 128), ("float16", "bfloat16"),
@@ -35,12 +36,12 @@ KEYS += [KernelKey(op, d, dt, causal, g, "cuda-sm_90a")
                                         ("bfloat16", "none", 1), ("float16", "bottom-right", 2)))]
 KEYS += [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a")
          for op in ("dq", "dkv") for d in hopper.OP_HEAD_DIMS[op] if d not in (64, 128)]
-# score modifiers (written, not served yet): each op with all three, the window alone
+# score modifiers: each op with all three, the window alone
 MOD_KEYS = [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a", **mods)
             for op, d, mods in itertools.product(
                 ("fwd", "dq", "dkv"), (64, 128),
                 ({"window": True}, {"window": True, "softcap": True, "alibi": True}))]
-# packed sequences (written, not served yet): forward, dQ, dK/dV
+# packed sequences: forward, dQ, dK/dV
 MOD_KEYS += [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)
              for op in ("fwd", "dq", "dkv") for d in (64, 128)]
 KEYS += MOD_KEYS
@@ -70,7 +71,6 @@ def test_hopper_serves_the_sm90a_forward_and_backward():
                 KernelKey("dq_split", 128, "bfloat16", "none", 1, "cuda-sm_90a")):
         assert not hopper.writes(key), key.name
     # dK/dV at D 32 (slower than mma.sync): written, and mma.sync serves it
-    mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
     key = KernelKey("dkv", 32, "bfloat16", "none", 1, "cuda-sm_90a")
     assert hopper.writes(key) and not hopper.supports(key)
     assert mma.supports(key) and schedules.lowers("cuda", key)
@@ -143,6 +143,24 @@ def test_every_hopper_key_lowers_to_wgmma_and_tma(key):
         n == "4" for n in re.findall(r"cp\.async\.bulk\.tensor\.(\d)d", src))
 
 
+def _register_handoff_fits(src: str) -> None:
+    """``setmaxnreg`` moves registers only within the block's launch allocation (the compiled
+    count, at most 65536 / threads rounded down to 8, times the threads): the producer's
+    ``dec`` must free what the consumers' ``inc`` takes, or the ``inc`` waits forever (the
+    fused dK/dV hung so on the H200 with 32 + 2 x 240)."""
+    threads = int(re.search(r"__launch_bounds__\((\d+)", src)[1])
+    dec = [int(n) for n in re.findall(r"setmaxnreg_dec_sync_aligned_u32_(\d+)\(\)", src)]
+    inc = [int(n) for n in re.findall(r"setmaxnreg_inc_sync_aligned_u32_(\d+)\(\)", src)]
+    assert len(set(dec)) == 1 and len(set(inc)) == 1, (dec, inc)
+    allocation = min(255, 65536 // threads) // 8 * 8 * threads
+    assert dec[0] * 128 + inc[0] * (threads - 128) <= allocation, (threads, dec, inc)
+
+
+@pytest.mark.parametrize("key", KEYS, ids=lambda k: k.name)
+def test_register_handoff_fits_the_launch_allocation(key):
+    _register_handoff_fits(_source(key))
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
 @pytest.mark.parametrize("key", [k for k in KEYS if k.group == 1 and k.causal == "top-left"],
                          ids=lambda k: k.name)
@@ -163,8 +181,9 @@ def test_hopper_kernels_stay_in_registers_and_keep_wgmma_asynchronous(key, tmp_p
 
 
 FUSED = hopper.HopperTile(step=64, stages=2, dq=True)
-"""The 5-GEMM dK/dV tile (dQ added in key-tile order into a float32 accumulator): written,
-not run on a GPU yet, so nothing selects it (``cuda_hopper._dkv_tile``)."""
+"""The 5-GEMM dK/dV tile (dQ added in key-tile order into a float32 accumulator): written; on
+the H200 its first version hung (producer 32 + consumers 240 registers, more than the launch
+allocation), so nothing selects it (``cuda_hopper._dkv_tile``) until it has run."""
 
 
 @functools.cache
@@ -183,6 +202,7 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
     tiles before it have, and releases the counter after the add completed; it is built only
     at D 128 and never selected by ``tile``."""
     src = _fused_source(causal)
+    _register_handoff_fits(src)
     for needle in ("wgmma.mma_async.sync.aligned.m64n64k16", "ld.acquire.gpu.global.b32",
                    "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32",
                    "cp.async.bulk.wait_group 0", "red.release.gpu.global.add.s32",
@@ -197,16 +217,20 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
         hopper.kernel(KernelKey("dkv", 64, "bfloat16", causal, 1, "cuda-sm_90a"), FUSED)
 
 
-def test_score_modifiers_are_written_not_served():
-    """Hopper kernels with window, soft cap and ALiBi (and the forward for packed sequences)
-    exist (the sweep checks them on a GPU) but nothing runs them until they have passed
-    there: the CUDA schedule takes the SIMT kernels for such keys, and ``tvm_flash.ops``
-    refuses fp16/bf16 ones before that."""
+def test_score_modifiers_served_where_checked():
+    """Hopper kernels with window, soft cap and ALiBi and for packed sequences run where they
+    passed against float64 on the H200 (``cuda_hopper.MODS_SERVED``); at the other head dims,
+    and for the soft cap on dK/dV's split tile (not written), the CUDA schedule takes the
+    ``mma.sync`` kernels, which have them at every head dim — never the SIMT schedule."""
     for key in MOD_KEYS:
-        assert hopper.writes(key) and not hopper.supports(key), key.name
-        assert not schedules.lowers("cuda", key), key.name
+        assert hopper.writes(key) and hopper.supports(key), key.name
+        assert schedules.lowers("cuda", key), key.name
     split = KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a", softcap=True)
     assert not hopper.writes(split)  # the split tile has no soft cap yet
     for mods in ({"varlen": True}, {"window": True, "alibi": True}):  # but these it has
         key = KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a", **mods)
         assert hopper.writes(key) and not hopper.supports(key)
+    for key in (split, KernelKey("fwd", 96, "float16", "none", 2, "cuda-sm_90a", window=True),
+                KernelKey("dq", 32, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)):
+        assert not hopper.supports(key) and mma.supports(key), key.name
+        assert schedules.lowers("cuda", key), key.name

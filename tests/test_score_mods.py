@@ -2,8 +2,8 @@
 
 Each alone and combined (with sinks, GQA, every causal mode), odd lengths on both paths (the
 short-query one for Lq <= 12), windows that leave rows without keys; then the errors a bad
-argument gets. On CUDA only float32 applies them so far: float16/bfloat16 are refused by
-name (``tvm_flash.ops.check_mods``).
+argument gets. On CUDA float16/bfloat16 run the tensor-core kernels with them (Hopper's on
+sm_90a where served, else ``mma.sync``), float32 the SIMT schedule.
 """
 
 import pytest
@@ -17,17 +17,6 @@ from tvm_flash.key import KernelKey
 CAUSAL = ["none", "top-left", "bottom-right"]
 
 
-def _runs(device, dtype) -> bool:
-    """Whether this device applies modifiers to this dtype; on CUDA fp16/bf16 check the
-    refusal instead."""
-    if device == "cuda" and dtype != torch.float32:
-        q, k, v, _ = make_inputs(1, 2, 2, 8, 8, 64, dtype, device)
-        with pytest.raises(NotImplementedError, match="^window_size: "):
-            attention(q, k, v, window_size=(4, 0))
-        return False
-    return True
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("lq,lk", [(97, 97), (7, 97), (97, 7), (1, 130)])
 @pytest.mark.parametrize("window", [(0, 0), (5, 3), (16, -1), (-1, 4)], ids=str)
@@ -36,8 +25,6 @@ def test_window(causal, window, lq, lk, device):
     """Windows around the diagonal (top-left: query i, otherwise i + Lk - Lq), alone and under
     the causal mask; (0, 0) sees one key, and Lq > Lk leaves rows with none (LSE -inf, zero
     output and gradients)."""
-    if not _runs(device, torch.float16):
-        return
     q, k, v, do = make_inputs(2, 4, 2, lq, lk, 64, torch.float16, device)
     check_against_reference(q, k, v, do, causal, window_size=window)
 
@@ -47,8 +34,6 @@ def test_window(causal, window, lq, lk, device):
 def test_window_long(dtype, device):
     """A window much shorter than the sequence: most key tiles are skipped, the rest
     masked at both edges."""
-    if not _runs(device, dtype):
-        return
     q, k, v, do = make_inputs(1, 2, 1, 1025, 1025, 64, dtype, device)
     check_against_reference(q, k, v, do, "bottom-right", window_size=(100, 0))
     check_against_reference(q, k, v, do, "none", window_size=(70, 33))
@@ -62,8 +47,6 @@ def test_window_long(dtype, device):
 def test_softcap(dtype, causal, cap, lq, lk, device):
     """``cap * tanh(s / cap)``: a small cap saturates most scores (its gradient 1 - tanh^2 is
     then near 0), a large one barely bends them."""
-    if not _runs(device, dtype):
-        return
     q, k, v, do = make_inputs(2, 4, 2, lq, lk, 64, dtype, device)
     check_against_reference(q, k, v, do, causal, softcap=cap)
 
@@ -75,8 +58,6 @@ def test_softcap(dtype, causal, cap, lq, lk, device):
 def test_alibi(causal, per_batch, lq, lk, device):
     """``-slope * |c - j|`` with slopes per head or per batch and head (BLOOM's geometric
     slopes, one batch's reversed), GQA 2:1."""
-    if not _runs(device, torch.float16):
-        return
     q, k, v, do = make_inputs(2, 4, 2, lq, lk, 64, torch.float16, device)
     slopes = torch.tensor([2.0 ** (-8 * (h + 1) / 4) for h in range(4)], device=device)
     if per_batch:
@@ -91,8 +72,6 @@ def test_alibi(causal, per_batch, lq, lk, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_combined(dtype, causal, d, hq, hkv, lq, lk, device):
     """Window, soft cap, ALiBi and sinks together; GQA 4:1 and MHA at D 128."""
-    if not _runs(device, dtype):
-        return
     q, k, v, do = make_inputs(2, hq, hkv, lq, lk, d, dtype, device)
     sinks = torch.randn(hq, device=device)
     slopes = torch.rand(2, hq, device=device) * 0.2

@@ -10,8 +10,7 @@ them (``(B, H, L, D)``; :func:`tvm_flash.layout.kernel_view` decides whether suc
 read in place or copied), and the results come back as views in ``(B, L, H, D)``.
 
 ``window_size``, ``softcap`` and ``alibi_slopes`` mean what they mean there (bottom-right
-aligned; see ``tvm_flash.attention``); on CUDA they run for float32 only so far (float16 /
-bfloat16 raise ``NotImplementedError`` naming the argument). What flash-attn offers and
+aligned; see ``tvm_flash.attention``), on every device and dtype. What flash-attn offers and
 tvm-flash does not raises ``ValueError`` naming the argument (never a silent fallback):
 ``dropout_p != 0``. ``deterministic`` is accepted: tvm-flash's backward is always
 deterministic. ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: there is no

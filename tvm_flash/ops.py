@@ -427,25 +427,7 @@ def check_mods(q, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
         if alibi_slopes.device != q.device:
             raise ValueError(f"alibi_slopes: device {alibi_slopes.device} differs from q's "
                              f"{q.device}")
-    mods = ScoreMods(window, cap, alibi_slopes)
-    if mods.names:
-        name = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes"}
-        factory_only(q, name[mods.names[0]], "sliding windows, soft caps or ALiBi")
-    return mods
-
-
-def factory_only(q, argument: str, what: str) -> None:
-    """Refuse, naming ``argument``, a feature only the kernels written from the factories
-    have (score modifiers, packed sequences) where q would run the tensor-core ones.
-
-    Every factory kernel has them: the CPU's, the SIMT GPU schedule's (float32 on CUDA) and
-    Metal's. On CUDA fp16/bf16 run the warp-level kernels (``schedules/cuda_mma.py``,
-    ``cuda_hopper.py``), which do not have them yet; sending such a call to the SIMT schedule
-    instead would be ~20x slower than the caller expects, so it is refused."""
-    if q.device.type == "cuda" and q.dtype != torch.float32:
-        raise NotImplementedError(
-            f"{argument}: the CUDA tensor-core kernels (float16/bfloat16) do not take {what} "
-            "yet (issue #21); they run on the CPU and for float32 on CUDA")
+    return ScoreMods(window, cap, alibi_slopes)
 
 
 def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
@@ -551,7 +533,6 @@ def check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise ValueError(f"{name}: {given} is shorter than the longest sequence "
                              f"({longest} rows)")
         maxes.append(given)
-    factory_only(q, "cu_seqlens_q", "packed sequences")
     return Packed(cus["cu_seqlens_q"][0], cus["cu_seqlens_k"][0], *maxes)
 
 
