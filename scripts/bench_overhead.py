@@ -20,6 +20,9 @@ On CUDA if present, else on the CPU (``--device`` overrides); ``--tiny`` shrinks
 
     TVM_FLASH_JIT=1 python scripts/bench_overhead.py --out overhead.json          # H200
     TVM_FLASH_JIT=1 python scripts/bench_overhead.py --tiny --dtype fp32          # CPU
+
+``--profile`` then shows, per case, where ``tvm_flash.attention``'s time goes (torch.profiler:
+device kernels per call, host ops).
 """
 
 from __future__ import annotations
@@ -87,6 +90,35 @@ def _per_call_us(fn, device, iters: int, repeats: int) -> float:
 
 
 def measure(case, shape, impl, layout, dtype, device, iters, repeats) -> float:
+    return _per_call_us(_call(shape, impl, layout, dtype, device), device, iters, repeats)
+
+
+def profile(case, shape, impl, layout, dtype, device, calls: int = 50) -> None:
+    """Where one call's time goes: torch.profiler over ``calls`` calls — the device kernels
+    (their summed time per call says whether the call is bound by them or by the host) and
+    the host ops."""
+    fn = _call(shape, impl, layout, dtype, device)
+    for _ in range(10):
+        fn()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) / calls
+    print(f"\n## {case}: {device_us:.1f} us of device kernels per call")
+    print(events.table(sort_by="self_device_time_total" if device.type == "cuda"
+                       else "self_cpu_time_total", row_limit=15, max_name_column_width=50))
+
+
+def _call(shape, impl, layout, dtype, device):
+    """One call of ``impl`` on fresh random inputs of ``shape`` (forward, or forward and
+    backward), as a no-argument function."""
     b, hq, hkv, lq, lk, d, causal, backward = shape
     q = torch.randn(b, hq, lq, d, dtype=dtype, device=device)
     k = torch.randn(b, hkv, lk, d, dtype=dtype, device=device)
@@ -103,7 +135,7 @@ def measure(case, shape, impl, layout, dtype, device, iters, repeats) -> float:
         def fn():
             with torch.no_grad():
                 impl(q, k, v, causal)
-    return _per_call_us(fn, device, iters, repeats)
+    return fn
 
 
 def main(argv=None):
@@ -115,6 +147,8 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=200, help="calls per timed run")
     p.add_argument("--repeats", type=int, default=7, help="timed runs (median taken)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--profile", action="store_true",
+                   help="then profile tvm_flash.attention in each case (torch.profiler)")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -144,6 +178,10 @@ def main(argv=None):
         pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "us_per_call": results},
                                                      indent=1))
         print(f"wrote {args.out}")
+    if args.profile:
+        impl, layout = IMPLS["tvm_flash.attention"]
+        for case, shape in shapes.items():
+            profile(case, shape, impl, layout, dtype, device)
 
 
 if __name__ == "__main__":

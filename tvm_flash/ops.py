@@ -38,7 +38,7 @@ class ScoreMods:
     softcap: float = 0.0
     alibi: torch.Tensor | None = None
 
-    @property
+    @functools.cached_property
     def names(self) -> tuple[str, ...]:
         """The modifiers in effect, in ``MODS`` order: what the kernels are built with."""
         on = {"window": self.window != (-1, -1), "softcap": self.softcap != 0.0,
@@ -155,19 +155,18 @@ def sink_gradient(sinks, lse, delta):
 
 def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float,
                    mods: ScoreMods = NO_MODS, packed: Packed | None = None):
-    """Run preprocess, dQ and dK/dV: returns ``(dq, dk, dv, dsinks)``; dsinks is zeros of
-    shape (Hq,) without sinks. Tensors in the kernels' layout, ``lse`` contiguous."""
+    """Run preprocess, dQ and dK/dV: returns ``(dq, dk, dv, dsinks)``; dsinks is None without
+    sinks. Tensors in the kernels' layout, ``lse`` contiguous."""
     b, hq, lq, d = q.shape
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_(), lse.new_zeros(hq)
+        return dq.zero_(), dk.zero_(), dv.zero_(), None if sinks is None else lse.new_zeros(hq)
     run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], False,
                    packed.max_q if packed else lq, True, mods.names, packed is not None)
     delta = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
     run.backward(do, q, k, v, out, lse, delta, dq, dk, dv, scale,
                  _extra(mods, packed, b, hq, lq, k.shape[2], q.device))
-    dsinks = sink_gradient(sinks, lse, delta) if sinks is not None else lse.new_zeros(hq)
-    return dq, dk, dv, dsinks
+    return dq, dk, dv, None if sinks is None else sink_gradient(sinks, lse, delta)
 
 
 def _eager(q, k, v) -> bool:
@@ -191,6 +190,8 @@ def _eager(q, k, v) -> bool:
 def _options(window_left, window_right, softcap, alibi, cu_q, cu_k, max_q, max_k):
     """The ops' trailing values -> (ScoreMods, Packed or None)."""
     packed = Packed(cu_q, cu_k, max_q, max_k) if cu_q is not None else None
+    if alibi is None and softcap == 0.0 and window_left == window_right == -1:
+        return NO_MODS, packed  # the defaults: one object, its names computed once
     return ScoreMods((window_left, window_right), softcap, alibi), packed
 
 
@@ -224,10 +225,12 @@ def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             alibi: torch.Tensor | None = None, cu_q: torch.Tensor | None = None,
             cu_k: torch.Tensor | None = None, max_q: int = 0, max_k: int = 0
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_backward(kernel_view(do), kernel_view(q), kernel_view(k), kernel_view(v),
-                          kernel_view(out), lse.contiguous(), sinks, causal, scale,
-                          *_options(window_left, window_right, softcap, alibi, cu_q, cu_k,
-                                    max_q, max_k))
+    dq, dk, dv, dsinks = flash_backward(
+        kernel_view(do), kernel_view(q), kernel_view(k), kernel_view(v), kernel_view(out),
+        lse.contiguous(), sinks, causal, scale,
+        *_options(window_left, window_right, softcap, alibi, cu_q, cu_k, max_q, max_k))
+    # an op returns tensors: zeros for the sinks a forward without them does not have
+    return dq, dk, dv, dsinks if dsinks is not None else lse.new_zeros(q.shape[1])
 
 
 @_bwd_op.register_fake
@@ -342,12 +345,13 @@ def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool, sinks=None,
         if t.dtype not in _TORCH_DTYPES:
             raise TypeError(f"{name}: dtype {t.dtype} is not supported; use one of "
                             f"{[str(d) for d in _TORCH_DTYPES]}")
+    device = q.device  # one device object for the comparisons (each .device makes one)
     for name, t in ((n["k"], k), (n["v"], v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: dtype {t.dtype} differs from {n['q']}'s {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: device {t.device} differs from {n['q']}'s {q.device}")
-    if q.device.type not in ("cpu", "cuda", "mps"):
+        if t.device != device:
+            raise ValueError(f"{name}: device {t.device} differs from {n['q']}'s {device}")
+    if device.type not in ("cpu", "cuda", "mps"):
         raise ValueError(f"{n['q']}: device {q.device} is not supported; use a cpu, cuda or "
                          "mps tensor")
     heads = 1 if layout == BHLD else 2
@@ -379,9 +383,9 @@ def check_inputs(q, k, v, *, causal: str, scale, enable_gqa: bool, sinks=None,
         if sinks.dtype not in _TORCH_DTYPES:
             raise TypeError(f"sinks: dtype {sinks.dtype} is not supported; use one of "
                             f"{[str(d) for d in _TORCH_DTYPES]}")
-        if sinks.device != q.device:
+        if sinks.device != device:
             raise ValueError(f"sinks: device {sinks.device} differs from {n['q']}'s "
-                             f"{q.device}")
+                             f"{device}")
     if scale is None:
         return 1.0 / math.sqrt(d)
     scale = float(scale)
@@ -395,6 +399,9 @@ def check_mods(q, *, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
     """Validate the score modifiers (q already checked by :func:`check_inputs`); return them
     as the kernels take them. Errors name the argument. ``batch``: the number of sequences
     where it is not q's first dimension (packed sequences)."""
+    if (alibi_slopes is None and type(softcap) is float and softcap == 0.0
+            and type(window_size) is tuple and window_size == (-1, -1)):
+        return NO_MODS  # the defaults: every call without modifiers, checked in one line
     try:
         window = tuple(window_size)
     except TypeError:
