@@ -42,6 +42,13 @@ def variants(kind: str, key) -> list[dict]:
     return hook(key) if hook else []
 
 
+def pipeline(kind: str, key) -> str:
+    """TVM's lowering pipeline for ``key``'s kernel on a target kind: the schedule's choice
+    (the Hopper kernels need ``tirx``), else ``default``."""
+    hook = getattr(for_target(kind), "pipeline", None)
+    return (hook(key) if hook else None) or "default"
+
+
 def lowers(kind: str, key) -> bool:
     """Whether the target kind's schedule writes ``key``'s kernel out itself (no factory, no
     tuning space)."""

@@ -32,15 +32,17 @@ class CudaSchedule(gpu.GpuSchedule):
         if cuda_hopper.supports(key):
             return cuda_hopper.kernel(key, cuda_hopper.HopperTile(**variant) if variant
                                       else None)
-        if variant:
-            raise ValueError(f"{key.name}: the mma.sync kernels have no tuned variants yet")
-        return cuda_mma.kernel(key) if cuda_mma.supports(key) else None
+        if not cuda_mma.supports(key):
+            return None
+        return cuda_mma.kernel(key, cuda_mma.MmaTile(**variant) if variant else None)
 
     def variants(self, key: KernelKey) -> list[dict]:
         """The variants of a hand-lowered kernel a tuner may measure (the default first), as
-        the fields of their tiles; none for the ``mma.sync`` kernels yet."""
+        the fields of their tiles (``cuda_hopper.variants``, ``cuda_mma.variants``)."""
         if cuda_hopper.supports(key):
             return [dataclasses.asdict(t) for t in cuda_hopper.variants(key)]
+        if cuda_mma.supports(key):
+            return [dataclasses.asdict(t) for t in cuda_mma.variants(key)]
         return []
 
     def pipeline(self, key: KernelKey) -> str | None:

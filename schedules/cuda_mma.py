@@ -39,6 +39,7 @@ where measured faster (see :func:`tile`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -189,6 +190,35 @@ def tile(key: KernelKey) -> MmaTile:
 
 
 _chosen_tile = tile  # for kernel(), whose override argument is named tile
+
+
+def variants(key: KernelKey) -> list[MmaTile]:
+    """The tiles a tuner may measure for ``key`` (``tvm_flash.tuning.tune_variants``), its
+    default (:func:`tile`) first: 4 or 8 warps, one or two m-tiles (one above D = 128, where
+    the sums alone take ``D / 2`` registers a lane), 16- to 64-row steps, two or three stages,
+    and for dK/dV above D = 128 the head dim split over two warps — each one whose shape
+    :meth:`MmaTile.check` accepts, that fits the arch's shared memory and, for dK/dV, has a
+    thread per LSE and Delta row. Registers are not checked: a variant that spills measures
+    slow. Keys with score modifiers or packed sequences have none (their extra arguments are
+    scalars, or sized by the data); nor has the row-wise preprocess."""
+    if key.op in ROW_OPS or key.mods or key.varlen:
+        return []
+    default = _chosen_tile(key)
+    d = key.head_dim
+    found = [default]
+    splits = (2,) if key.op == "dkv" and d > 128 else (1,)
+    for warps, mtiles, step, stages, split in itertools.product(
+            (4, 8), (1,) if d > 128 else (1, 2), (16, 32, 64), (2, 3), splits):
+        candidate = MmaTile(warps=warps, step=step, stages=stages, mtiles=mtiles, split=split)
+        if candidate in found or (key.op == "dkv" and 2 * step > warps * WARP):
+            continue
+        try:
+            candidate.check(d)
+            _check_fits(key, candidate)
+        except ValueError:
+            continue
+        found.append(candidate)
+    return found
 
 
 LARGE_D_TILES = {

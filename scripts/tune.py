@@ -4,9 +4,9 @@
 The search space is the explicit schedule itself (tiles that fit, GEMM thread grids, sampled
 unroll); MetaSchedule's xgboost cost model and evolutionary search choose what to measure on the
 local device. Kernels written out at warp level are tuned over their variants where their
-schedule offers some (the Hopper kernels' tiles: ``tvm_flash.tuning.tune_variants``), each
-variant a workload, the xgboost model choosing which to measure next; ``mma.sync`` kernels are
-skipped. Logs go to ``tuning_logs/<target>/<kernel key>/`` and a rerun resumes from them;
+schedule offers some (the Hopper and ``mma.sync`` kernels' tiles:
+``tvm_flash.tuning.tune_variants``), each variant a workload, the xgboost model choosing which
+to measure next; those without (keys with score modifiers or packed sequences) are skipped. Logs go to ``tuning_logs/<target>/<kernel key>/`` and a rerun resumes from them;
 ``scripts/build.py`` applies them on any machine, GPU or not.
 
     python scripts/tune.py --target cuda:sm_90 --kernels fwd,dq,dkv --head-dims 64,128 \\
@@ -83,8 +83,8 @@ def main(argv=None) -> int:
         kind = target_kind(key.target)
         lowered = schedules.lowers(kind, key)
         if lowered and not schedules.variants(kind, key):
-            print(f"  skipped: written out at warp level for {key.target} "
-                  "(schedules/cuda_mma.py) with no variants, nothing to tune", flush=True)
+            print(f"  skipped: written out at warp level for {key.target} with no variants, "
+                  "nothing to tune", flush=True)
             continue
         if args.dry_run:
             tuning.dry_run(key)

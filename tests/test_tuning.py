@@ -1,5 +1,7 @@
 """MetaSchedule tuning on the CPU (llvm): logs, reuse by build.py, refusals, Metal dry run."""
 
+import dataclasses
+import importlib
 import json
 import pathlib
 import shutil
@@ -130,22 +132,46 @@ def test_metal_tuning_dry_run():
     assert res.stdout.count("design spaces generated and built") == 2
 
 
-def test_warp_level_kernels_are_not_tuned(tmp_path):
-    """CUDA's hand-lowered mma.sync kernels have no search space: tuning and logs refuse them,
-    scripts/tune.py says it skips them."""
+def test_warp_level_kernels_without_variants_are_not_tuned(tmp_path):
+    """A hand-lowered kernel is tuned over its variants only: the factory tuner refuses it,
+    and one without variants (score modifiers, the row-wise preprocess) is refused by both,
+    its log too; scripts/tune.py says it skips it."""
     key = KernelKey("fwd", 64, "bfloat16", "none", 1, "cuda-sm_90")
-    with pytest.raises(tuning.TuningLogError, match="warp level"):
+    with pytest.raises(tuning.TuningLogError, match="its variants are tuned"):
         tuning.tune(key, tmp_path, trials=4)
-    directory = tuning.log_dir(tmp_path, key)
+    bare = KernelKey("fwd", 64, "bfloat16", "none", 1, "cuda-sm_90", softcap=True)
+    with pytest.raises(tuning.TuningLogError, match="no variants"):
+        tuning.tune_variants(bare, tmp_path, trials=4)
+    directory = tuning.log_dir(tmp_path, bare)
     directory.mkdir(parents=True)
     (directory / "summary.json").write_text("{}")
-    with pytest.raises(tuning.TuningLogError, match="warp level"):
-        tuning.load_tuned(tmp_path, key)
+    with pytest.raises(tuning.TuningLogError, match="no variants"):
+        tuning.load_tuned(tmp_path, bare)
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target",
-                          "cuda:sm_90", "--kernels", "fwd", "--head-dims", "64", "--dtypes",
+                          "cuda:sm_90", "--kernels", "bwd_pre", "--head-dims", "64", "--dtypes",
                           "bf16", "--causal", "none", "--dry-run"], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "skipped: written out at warp level" in res.stdout
+
+
+def test_mma_variants_dry_run():
+    """The mma.sync kernels are tuned over their tiles (warps, m-tiles, step, stages; the
+    default first, each fitting the arch's shared memory); every variant's workload builds
+    as the tuner builds it (TVM's default pipeline)."""
+    from tvm_flash.build import schedules
+
+    key = KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90")
+    found = schedules.variants("cuda", key)
+    assert len(found) > 1 and all(v["split"] == 2 for v in found)
+    mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
+    assert found[0] == dataclasses.asdict(mma.tile(key))
+    assert len(schedules.variants("cuda", dataclasses.replace(key, target="cuda-sm_89"))) < len(found)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target",
+                          "cuda:sm_90", "--kernels", "dkv", "--head-dims", "256", "--dtypes",
+                          "bf16", "--causal", "none", "--dry-run"], capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"{len(found)} variants built" in res.stdout
 
 
 HOPPER = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")  # 7 variants

@@ -81,10 +81,9 @@ def compile_module(key: KernelKey, mod: tvm.IRModule | None = None):
     :func:`compile_device_code`."""
     mod = scheduled_module(key) if mod is None else mod
     kind = target_kind(key.target)
-    hook = getattr(schedules.for_target(kind), "pipeline", None)
-    pipeline = (hook(key) if hook else None) or "default"
     with tvm.transform.PassContext(config=pass_config(kind)):
-        return tvm.tirx.build(mod, target=make_target(key.target), pipeline=pipeline)
+        return tvm.tirx.build(mod, target=make_target(key.target),
+                              pipeline=schedules.pipeline(kind, key))
 
 
 def pass_config(kind: str) -> dict:

@@ -17,13 +17,14 @@ workload IR itself, ~300 KB per tile, is regenerated from the key when a run res
 
 Kernels a target's schedule writes out itself (``schedules.lowers``) have no factory to search
 around. Where the schedule offers *variants* of one (``schedules.variants``: the Hopper kernels'
-tiles — step, stages, persistence), each variant is a MetaSchedule workload whose design space
+tiles — step, stages, persistence — and the ``mma.sync`` kernels' — warps, m-tiles, step,
+stages), each variant is a MetaSchedule workload whose design space
 is the kernel as written (:func:`tune_variants`): MetaSchedule's builder compiles them, its
 runner times them, every measurement is a record in its database, and its xgboost cost model,
 trained on the variants measured so far (MetaSchedule's per-store features of their IR), picks
 which to measure next; the summary says how well its ranking predicted the measured order.
-Kernels without variants (CUDA's ``mma.sync`` kernels, for now) are refused, and so is a log
-for one.
+Hand-lowered kernels without variants (the backward's row-wise preprocess, keys with score
+modifiers or packed sequences) are refused, and so is a log for one.
 
 Lengths: kernels take every length symbolically; tuning measures one representative shape per
 length bucket. There is one bucket for now, ``any`` (GPU: B = 2, 16 query heads,
@@ -260,11 +261,15 @@ def _refuse_lowered(key: KernelKey, variants_ok: bool = False) -> None:
     kind = target_kind(key.target)
     if not schedules.lowers(kind, key):
         return
-    if variants_ok and schedules.variants(kind, key):
-        return
+    if schedules.variants(kind, key):
+        if variants_ok:
+            return
+        raise TuningLogError(f"{key.name}: written out at warp level by the {key.target} "
+                             "schedule: its variants are tuned (tune_variants), not a factory's "
+                             "design space")
     raise TuningLogError(f"{key.name}: written out at warp level by the {key.target} schedule "
-                         "(schedules/cuda_mma.py) and offering no variants: there is no search "
-                         "space to tune")
+                         "(schedules/cuda_mma.py, cuda_hopper.py) and offering no variants: "
+                         "there is no search space to tune")
 
 
 def _workload_index(path: pathlib.Path, key: KernelKey, shape: dict | None) -> list[dict]:
@@ -401,10 +406,25 @@ def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None):
 
 
 def build_lowered(mod: tvm.IRModule, target: tvm.target.Target, _params=None):
-    """MetaSchedule's build function for a hand-lowered variant: TIRx's device-region
-    pipeline (``schedules/cuda.py``), the kernels' lowering options."""
+    """MetaSchedule's build function for a hand-lowered variant of a kernel written in TIRx's
+    device-region form (the Hopper kernels: ``schedules.pipeline`` says ``tirx``), with the
+    kernels' lowering options."""
     with tvm.transform.PassContext(config=pass_config(target.kind.name)):
         return tvm.tirx.build(mod, target=target, pipeline="tirx")
+
+
+def build_lowered_default(mod: tvm.IRModule, target: tvm.target.Target, _params=None):
+    """:func:`build_lowered` for the other hand-lowered kernels (``mma.sync``): TVM's default
+    pipeline."""
+    with tvm.transform.PassContext(config=pass_config(target.kind.name)):
+        return tvm.tirx.build(mod, target=target)
+
+
+def _build_function(key: KernelKey):
+    """The build function of ``key``'s variants (MetaSchedule's builder pickles it by name:
+    module level, one per pipeline)."""
+    tirx = schedules.pipeline(target_kind(key.target), key) == "tirx"
+    return build_lowered if tirx else build_lowered_default
 
 
 def _spearman(xs: list, ys: list) -> float | None:
@@ -476,7 +496,7 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
             model.update(context, [candidate(i) for i in done], results)
 
         rng = random.Random(seed)
-        builder = ms.builder.LocalBuilder(f_build=build_lowered)
+        builder = ms.builder.LocalBuilder(f_build=_build_function(key))
         runner = ms.runner.LocalRunner()
         predicted = {}  # variant index -> the model's score when it chose it
         budget = min(trials, len(found))
@@ -552,7 +572,7 @@ def dry_run(key: KernelKey, log=print) -> int:
         _refuse_lowered(key, variants_ok=True)
         found = schedules.variants(kind, key)
         for variant in found:
-            build_lowered(variant_workload(key, variant), tuning_target(key.target), None)
+            _build_function(key)(variant_workload(key, variant), tuning_target(key.target))
         log(f"{key.name}: {len(found)} variants built")
         return len(found)
     _refuse_lowered(key)
