@@ -6,7 +6,8 @@ unroll); MetaSchedule's xgboost cost model and evolutionary search choose what t
 local device. Kernels written out at warp level are tuned over their variants where their
 schedule offers some (the Hopper and ``mma.sync`` kernels' tiles:
 ``tvm_flash.tuning.tune_variants``), each variant a workload, the xgboost model choosing which
-to measure next; those without (keys with score modifiers or packed sequences) are skipped. Logs go to ``tuning_logs/<target>/<kernel key>/`` and a rerun resumes from them;
+to measure next; those without (keys with score modifiers or packed sequences) are skipped.
+Logs go to ``tuning_logs/<target>/<kernel key>/`` and a rerun resumes from them;
 ``scripts/build.py`` applies them on any machine, GPU or not.
 
     python scripts/tune.py --target cuda:sm_90 --kernels fwd,dq,dkv --head-dims 64,128 \\
