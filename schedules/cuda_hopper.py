@@ -93,6 +93,7 @@ from .cuda_mma import (
     _mask_needed,
     _require_vector_rows,
     _row_tree,
+    pin_sequence,
     pos_inf,
 )
 
@@ -405,11 +406,7 @@ def _locator(causal: str, rows: int, step: int, group: int, mods: Mods = NO_MODS
         c[3] = (nqt - 1 - t) * rows
         if varlen:
             c[0] = T.int64(0)
-            sq[4] = bh // Hq
-            sq[0] = T.cast(cu_q[sq[4]], "int64")
-            sq[1] = T.cast(cu_q[sq[4] + 1], "int64") - sq[0]
-            sq[2] = T.cast(cu_k[sq[4]], "int64")
-            sq[3] = T.cast(cu_k[sq[4] + 1], "int64") - sq[2]
+            pin_sequence(sq, bh // Hq, cu_q, cu_k)
         else:
             c[0] = bh // Hq
         c[1] = bh % Hq
@@ -1733,11 +1730,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         c[2] = t * BN  # causal: the keys seen by the most queries first
         if varlen:
             c[0] = T.int64(0)
-            sq[4] = bh // Hkv
-            sq[0] = T.cast(CuQ[sq[4]], "int64")
-            sq[1] = T.cast(CuQ[sq[4] + 1], "int64") - sq[0]
-            sq[2] = T.cast(CuK[sq[4]], "int64")
-            sq[3] = T.cast(CuK[sq[4] + 1], "int64") - sq[2]
+            pin_sequence(sq, bh // Hkv, CuQ, CuK)
         else:
             c[0] = bh // Hkv
         c[1] = bh % Hkv

@@ -522,21 +522,18 @@ class _KeyWalk:
         mods, varlen = Mods(key.window, key.softcap, key.alibi), key.varlen
 
         @T.macro
-        def coords(c, bx, nqt, heads, Hq, Lq, Lk, ma, sq, cu_q, cu_k):
+        def coords(c, bx, nqt, heads, Hq, Lq, Lk, ma, sq, cu_q, cu_k, slopes):
             """``c``: batch, head, kv head, first query row, key tiles to walk, and under a
             window the first key tile's first key. ``varlen``: the (batch x head) index is
-            (sequence x head); the sequence's first query row, query length, first key row,
-            key length and index go to ``sq[0:5]``, the batch is 0, positions count within
-            the sequence and a tile past its end walks no key tile."""
+            (sequence x head); the sequence goes to ``sq`` (:func:`pin_sequence`), the batch
+            is 0, positions count within the sequence and a tile past its end walks no key
+            tile. ALiBi: the tile's slope (its head's) from ``slopes`` into ``ma.slopes[0,
+            0]``."""
             t, bh = T.meta_var(_block_order(causal, bx, nqt, heads))
             c[3] = (nqt - 1 - t) * BQ
             if varlen:
                 c[0] = T.int64(0)
-                sq[4] = bh // Hq
-                sq[0] = T.cast(cu_q[sq[4]], "int64")
-                sq[1] = T.cast(cu_q[sq[4] + 1], "int64") - sq[0]
-                sq[2] = T.cast(cu_k[sq[4]], "int64")
-                sq[3] = T.cast(cu_k[sq[4] + 1], "int64") - sq[2]
+                pin_sequence(sq, bh // Hq, cu_q, cu_k)
             else:
                 c[0] = bh // Hq
             c[1] = bh % Hq
@@ -550,6 +547,8 @@ class _KeyWalk:
             if varlen:
                 if c[3] >= lq:
                     c[4] = T.int64(0)
+            if mods.alibi:
+                ma.slopes[0, 0] = slopes[sq[4] if varlen else c[0], c[1]]
 
         @T.macro
         def prefetch(Ks, Vs, K, V, c, t, Lk, tx, sq):
@@ -565,6 +564,19 @@ class _KeyWalk:
             T.ptx.cp.async_.commit_group()
 
         self.coords, self.prefetch, self.ready = coords, prefetch, f.ready
+
+
+@T.macro
+def pin_sequence(sq, seq, cu_q, cu_k):
+    """``sq[0:5]``: sequence ``seq``'s first query row, query length, first key row and key
+    length in the packed rows (flash-attn's ``cu_seqlens``, int32) as int64, and ``seq``
+    itself (its ALiBi slopes' row), computed once per tile (``kernels.common.pin_scalars``
+    says why values in a small local buffer)."""
+    sq[4] = seq
+    sq[0] = T.cast(cu_q[sq[4]], "int64")
+    sq[1] = T.cast(cu_q[sq[4] + 1], "int64") - sq[0]
+    sq[2] = T.cast(cu_k[sq[4]], "int64")
+    sq[3] = T.cast(cu_k[sq[4] + 1], "int64") - sq[2]
 
 
 def _block_order(causal: str, bx, tiles, heads):
@@ -704,9 +716,8 @@ def flash_forward(key: KernelKey, tile: MmaTile):
             sl = T.alloc_buffer((1, 1), F32, scope="local")
         ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
                                 softcap))
-        walk.coords(c, bx, nqt, heads, Hq, Lq, Lk, ma, sq if varlen else None, CuQ, CuK)
-        if mods.alibi:
-            sl[0, 0] = Slopes[sq[4] if varlen else c[0], c[1]]
+        walk.coords(c, bx, nqt, heads, Hq, Lq, Lk, ma, sq if varlen else None, CuQ, CuK,
+                    Slopes)
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
         row = T.meta_var(c[3] + w * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's rows
@@ -863,9 +874,8 @@ def flash_dq(key: KernelKey, tile: MmaTile):
             sl = T.alloc_buffer((1, 1), F32, scope="local")
         ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
                                 softcap))
-        walk.coords(c, bx, nqt, heads, Hq, Lq, Lk, ma, sq if varlen else None, CuQ, CuK)
-        if mods.alibi:
-            sl[0, 0] = Slopes[sq[4] if varlen else c[0], c[1]]
+        walk.coords(c, bx, nqt, heads, Hq, Lq, Lk, ma, sq if varlen else None, CuQ, CuK,
+                    Slopes)
         w = T.meta_var(tx // WARP)
         lane = T.meta_var(tx % WARP)
         row = T.meta_var(c[3] + w * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's rows
@@ -1029,11 +1039,7 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
         c[2] = (nkt - 1 - t) * BK  # causal: the keys seen by the most queries first
         if varlen:
             c[0] = T.int64(0)
-            sq[4] = bh // Hkv
-            sq[0] = T.cast(CuQ[sq[4]], "int64")
-            sq[1] = T.cast(CuQ[sq[4] + 1], "int64") - sq[0]
-            sq[2] = T.cast(CuK[sq[4]], "int64")
-            sq[3] = T.cast(CuK[sq[4] + 1], "int64") - sq[2]
+            pin_sequence(sq, bh // Hkv, CuQ, CuK)
         else:
             c[0] = bh // Hkv
         c[1] = bh % Hkv
