@@ -424,9 +424,15 @@ def _locator(causal: str, rows: int, step: int, group: int, mods: Mods = NO_MODS
     return locate
 
 
-def consumer_regs(consumers: int, producer: int = 24) -> int:
+PRODUCER_REGS = 24
+"""The registers a producer warpgroup keeps (``setmaxnreg.dec``): enough to issue TMA copies
+(and, in the 5-GEMM dK/dV, the dQ writer warp's bulk adds); the rest go to the consumers
+(:func:`consumer_regs`)."""
+
+
+def consumer_regs(consumers: int) -> int:
     """The registers a consumer warpgroup's threads get (``setmaxnreg.inc``) when the
-    producer warpgroup keeps ``producer`` (``setmaxnreg.dec``), at most 240.
+    producer keeps :data:`PRODUCER_REGS`, at most 240.
 
     ``setmaxnreg`` only moves registers within the block's launch allocation, which is not the
     whole 64 Ki register file: the compiled count (the launch bound, one block per SM, at most
@@ -435,7 +441,7 @@ def consumer_regs(consumers: int, producer: int = 24) -> int:
     producer at 32 with consumers at 240 (32 x 128 + 240 x 256 = 65536) hung on the H200."""
     threads = (1 + consumers) * WG
     pool = min(255, 65536 // threads) // 8 * 8 * threads
-    return min(240, (pool - producer * WG) // (consumers * WG) // 8 * 8)
+    return min(240, (pool - PRODUCER_REGS * WG) // (consumers * WG) // 8 * 8)
 
 
 def _desc(d, ptr, ldo: int, sdo: int, swizzle: int):
@@ -489,7 +495,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     v_ldo, v_sdo = BK * ROW, 8 * ROW
     FK, FV, EK, EV = 1, 1 + ST, 1 + 2 * ST, 1 + 3 * ST  # first barrier of each kind
     QE = 1 + 4 * ST
-    regs_consumer = consumer_regs(NC)  # the producer keeps 24
+    regs_consumer = consumer_regs(NC)
 
     @T.macro
     def load(buf, bars, tmap, j, g, full, hk, b, koff):
@@ -638,7 +644,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         c[5] = T.int64(0)
 
         if tx < WG:  # ------------------------------------------------------------ producer
-            T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(PRODUCER_REGS)
             if tx == 0:
                 for it in T.serial(mine):
                     locate(c, _snake(it, bx, grid, tile.persistent), nqt, heads, Hq, Lq, Lk,
@@ -1011,7 +1017,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         c[5] = T.int64(0)
 
         if tx < WG:  # ------------------------------------------------------------ producer
-            T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(PRODUCER_REGS)
             if tx == 0:
                 for it in T.serial(mine):
                     locate(c, _snake(it, bx, grid, tile.persistent), nqt, heads, Hq, Lq, Lk,
@@ -1582,9 +1588,9 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             T.cuda.cta_sync()
 
             if tx < WG:  # -------------------------------------------------------- producer
-                # 24 as the other kernels, the dQ writer warp too: keeping 32 would leave the
-                # consumers 232 (consumer_regs), and ptxas spills 124 bytes there instead of 68
-                T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
+                # the dQ writer warp too: keeping 32 would leave the consumers 232, and ptxas
+                # spills 124 bytes there instead of 68
+                T.ptx.setmaxnreg.dec.sync.aligned.u32(PRODUCER_REGS)
                 if tx == 0 and c[5] > 0:
                     load_kv(Ks, Vs, kmap, vmap, bars, c, None)
                 if tx < 32:  # warp 0: the stages, last query tile first
@@ -1758,7 +1764,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         T.cuda.cta_sync()
 
         if tx < WG:  # ------------------------------------------------------------ producer
-            T.ptx.setmaxnreg.dec.sync.aligned.u32(24)
+            T.ptx.setmaxnreg.dec.sync.aligned.u32(PRODUCER_REGS)
             if tx == 0 and c[5] > 0:
                 load_kv(Ks, Vs, kmap, vmap, bars, c, sq if varlen else None)
             if tx < 32:

@@ -554,7 +554,7 @@ class _KeyWalk:
         def prefetch(Ks, Vs, K, V, c, t, Lk, tx, sq):
             """Start copying key tile ``t`` (if there is one) into its stage; one commit group
             either way, so that ``ready`` always waits for the right one."""
-            first = T.meta_var(_offset(sq[2] if varlen else 0, c[5] if mods.window else 0))
+            first = T.meta_var(_plus(sq[2] if varlen else 0, c[5] if mods.window else 0))
             end = T.meta_var(sq[2] + sq[3] if varlen else Lk)
             if t < c[4]:
                 f.copy_rows(Ks, t % stages * BK, K, c[0], c[2], _plus(t * BK, first), end, BK,
@@ -590,14 +590,10 @@ def _block_order(causal: str, bx, tiles, heads):
     return bx // heads, bx % heads
 
 
-def _plus(x, offset):
-    """``x + offset``, or ``x`` itself where ``offset`` is the literal 0 (leaves the source of
-    unsplit kernels as it was)."""
-    return x if isinstance(offset, int) and offset == 0 else x + offset
-
-
-def _offset(*terms):
-    """The sum of ``terms`` without the literal zeros (0 where all are)."""
+def _plus(*terms):
+    """The sum of ``terms`` without the literal zeros (0 where all are), added left to right:
+    a split or windowed kernel's offsets vanish from the others' source, which stays as it
+    was."""
     kept = [t for t in terms if not (isinstance(t, int) and t == 0)]
     total = kept[0] if kept else 0
     for t in kept[1:]:
@@ -726,7 +722,7 @@ def flash_forward(key: KernelKey, tile: MmaTile):
         lk = T.meta_var(sq[3] if varlen else Lk)
         qoff = T.meta_var(sq[0] if varlen else 0)  # its first row in the packed rows
 
-        f.copy_rows(Qs, 0, Q, c[0], c[1], _offset(qoff, c[3]), _offset(qoff, lq), BQ, tx,
+        f.copy_rows(Qs, 0, Q, c[0], c[1], _plus(qoff, c[3]), _plus(qoff, lq), BQ, tx,
                     False)
         for pt in T.unroll(stages - 1):
             walk.prefetch(Ks, Vs, K, V, c, T.int64(pt), Lk, tx, sq if varlen else None)
@@ -743,7 +739,7 @@ def flash_forward(key: KernelKey, tile: MmaTile):
                 lsum[r] = T.float32(0)
 
         for kt in T.serial(c[4]):
-            k0 = T.meta_var(_offset(kt * BK, c[5] if mods.window else 0))
+            k0 = T.meta_var(_plus(kt * BK, c[5] if mods.window else 0))
             walk.prefetch(Ks, Vs, K, V, c, kt + stages - 1, Lk, tx, sq if varlen else None)
             walk.ready()
             f.zero(s, MT * NS * 4)
@@ -794,12 +790,12 @@ def flash_forward(key: KernelKey, tile: MmaTile):
                                    T.float32(1) / lsum[r])
         for i in T.unroll(MT * NO * 4):
             acc[i] = acc[i] * mn[_lane_row(i, NO)]
-        f.store_rows(O, c[0], c[1], _offset(qoff, c[3]), _offset(qoff, lq), acc, T.float32(1),
+        f.store_rows(O, c[0], c[1], _plus(qoff, c[3]), _plus(qoff, lq), acc, T.float32(1),
                      w, lane)
         for mi in T.unroll(MT):
             for r in T.unroll(2):
                 if lane % 4 == 0 and row + mi * 16 + r * 8 < lq:
-                    LSE[c[0], c[1], _offset(qoff, row + mi * 16 + r * 8)] = row_lse(
+                    LSE[c[0], c[1], _plus(qoff, row + mi * 16 + r * 8)] = row_lse(
                         m[mi * 2 + r], lsum[mi * 2 + r])
 
     return trim_params(flash_fwd, mods, varlen)
@@ -883,9 +879,9 @@ def flash_dq(key: KernelKey, tile: MmaTile):
         lk = T.meta_var(sq[3] if varlen else Lk)
         qoff = T.meta_var(sq[0] if varlen else 0)  # its first row in the packed rows
 
-        f.copy_rows(Qs, 0, Q, c[0], c[1], _offset(qoff, c[3]), _offset(qoff, lq), BQ, tx,
+        f.copy_rows(Qs, 0, Q, c[0], c[1], _plus(qoff, c[3]), _plus(qoff, lq), BQ, tx,
                     False)
-        f.copy_rows(dOs, 0, dO, c[0], c[1], _offset(qoff, c[3]), _offset(qoff, lq), BQ, tx,
+        f.copy_rows(dOs, 0, dO, c[0], c[1], _plus(qoff, c[3]), _plus(qoff, lq), BQ, tx,
                     False)
         for pt in T.unroll(stages - 1):
             walk.prefetch(Ks, Vs, K, V, c, T.int64(pt), Lk, tx, sq if varlen else None)
@@ -894,14 +890,14 @@ def flash_dq(key: KernelKey, tile: MmaTile):
                 lse[mi * 2 + r] = pos_inf()  # P = 0 in rows past the end or without keys
                 delta[mi * 2 + r] = T.float32(0)
                 if row + mi * 16 + r * 8 < lq:
-                    lse[mi * 2 + r] = LSE[c[0], c[1], _offset(qoff, row + mi * 16 + r * 8)]
-                    delta[mi * 2 + r] = Delta[c[0], c[1], _offset(qoff, row + mi * 16 + r * 8)]
+                    lse[mi * 2 + r] = LSE[c[0], c[1], _plus(qoff, row + mi * 16 + r * 8)]
+                    delta[mi * 2 + r] = Delta[c[0], c[1], _plus(qoff, row + mi * 16 + r * 8)]
                     if lse[mi * 2 + r] == neg_inf():
                         lse[mi * 2 + r] = pos_inf()
         f.zero(acc, MT * NO * 4)
 
         for kt in T.serial(c[4]):
-            k0 = T.meta_var(_offset(kt * BK, c[5] if mods.window else 0))
+            k0 = T.meta_var(_plus(kt * BK, c[5] if mods.window else 0))
             walk.prefetch(Ks, Vs, K, V, c, kt + stages - 1, Lk, tx, sq if varlen else None)
             walk.ready()
             f.zero(s, MT * NS * 4)
@@ -931,7 +927,7 @@ def flash_dq(key: KernelKey, tile: MmaTile):
             f.gemm_nn(acc, ds, BK, Ks, kt % stages * BK, bf, lane)
             T.tvm_storage_sync("shared")
 
-        f.store_rows(dQ, c[0], c[1], _offset(qoff, c[3]), _offset(qoff, lq), acc, scale, w,
+        f.store_rows(dQ, c[0], c[1], _plus(qoff, c[3]), _plus(qoff, lq), acc, scale, w,
                      lane)
 
     return trim_params(flash_dq, mods, varlen)
@@ -1067,13 +1063,13 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
             qw = T.meta_var(0)
         key_row = T.meta_var(c[2] + kg * MT * 16 + lane // 4)  # + 16 mi + 8 r: this lane's keys
 
-        f.copy_rows(Ks, 0, K, c[0], c[1], _offset(koff, c[2]), _offset(koff, lk), BK, tx, False)
-        f.copy_rows(Vs, 0, V, c[0], c[1], _offset(koff, c[2]), _offset(koff, lk), BK, tx, False)
+        f.copy_rows(Ks, 0, K, c[0], c[1], _plus(koff, c[2]), _plus(koff, lk), BK, tx, False)
+        f.copy_rows(Vs, 0, V, c[0], c[1], _plus(koff, c[2]), _plus(koff, lk), BK, tx, False)
         for ps in T.unroll(stages - 1):
             if T.int64(ps) < c[5]:
                 load_step(Qs, dOs, stats, Q, dO, LSE, Delta, c[0],
                           c[1] * group + T.int64(ps) // c[4],
-                          _offset(qoff, (c[3] + T.int64(ps) % c[4]) * BQ), _offset(qoff, lq),
+                          _plus(qoff, (c[3] + T.int64(ps) % c[4]) * BQ), _plus(qoff, lq),
                           ps, tx)
             T.ptx.cp.async_.commit_group()
         f.zero(dk, MT * NO * 4)
@@ -1084,7 +1080,7 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
             ahead = T.meta_var(i + stages - 1)
             if ahead < c[5]:
                 load_step(Qs, dOs, stats, Q, dO, LSE, Delta, c[0], c[1] * group + ahead // c[4],
-                          _offset(qoff, (c[3] + ahead % c[4]) * BQ), _offset(qoff, lq),
+                          _plus(qoff, (c[3] + ahead % c[4]) * BQ), _plus(qoff, lq),
                           ahead % stages, tx)
             T.ptx.cp.async_.commit_group()
             f.ready()
@@ -1121,13 +1117,10 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
             # dS^T = P^T (dP^T - Delta); dV += P^T dO and dK += dS^T Q in one loop
             for i2, e in T.grid(MT * NS, 4):
                 pt[i2 * 4 + e] = T.cast(st[i2 * 4 + e], dtype)
-                if mods.softcap:
-                    dst[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * dpt[i2 * 4 + e], dtype)
-                else:
-                    dst[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * (
-                        dpt[i2 * 4 + e]
-                        - stats[_plus(ss + BQ, qw) + lane % 4 * 2
-                                + _col_offset(i2 * 4 + e, NS)]), dtype)
+                dst[i2 * 4 + e] = T.cast(st[i2 * 4 + e] * (
+                    dpt[i2 * 4 + e] if mods.softcap  # already (dP^T - Delta) times the slope
+                    else dpt[i2 * 4 + e] - stats[_plus(ss + BQ, qw) + lane % 4 * 2
+                                                 + _col_offset(i2 * 4 + e, NS)]), dtype)
             if SP > 1:  # every warp of the group takes the whole step's P^T and dS^T
                 for i2, e in T.grid(MT * NS * 2, 2):
                     Ps[kg * MT * 16 + lane // 4 + _row_offset(i2 * 2, NS),
@@ -1141,8 +1134,8 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
                 f.gemm_nn_pair(dv, pt, dOs, dk, dst, Qs, BQ, sq_, bf, bf2, lane)
             T.tvm_storage_sync("shared")
 
-        k_first = T.meta_var(_offset(koff, c[2]))
-        k_end = T.meta_var(_offset(koff, lk))
+        k_first = T.meta_var(_plus(koff, c[2]))
+        k_end = T.meta_var(_plus(koff, lk))
         if SP > 1:
             f.store_split(dK, c[0], c[1], k_first, k_end, dk, scale, kg, w % SP * D // SP, lane)
             f.store_split(dV, c[0], c[1], k_first, k_end, dv, T.float32(1), kg,

@@ -20,6 +20,15 @@ KEY = KernelKey("fwd", 64, "float32", "top-left", 1, "llvm")
 SHAPE = {"B": 1, "Hq": 2, "L": 96}
 
 
+def _tune_dry_run(target: str, kernels: str, head_dims: str, dtypes: str, causal: str):
+    """``scripts/tune.py --dry-run`` for these kernels; it must succeed."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target", target,
+                          "--kernels", kernels, "--head-dims", head_dims, "--dtypes", dtypes,
+                          "--causal", causal, "--dry-run"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tuning_logs")
@@ -124,11 +133,7 @@ def test_no_log_means_default_schedule():
 
 def test_metal_tuning_dry_run():
     """The Metal tuning path (space generation + build) runs on a machine without a Mac."""
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target",
-                          "metal:apple-m2", "--kernels", "fwd,dkv", "--head-dims", "64",
-                          "--dtypes", "fp16", "--causal", "top-left", "--dry-run"],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = _tune_dry_run("metal:apple-m2", "fwd,dkv", "64", "fp16", "top-left")
     assert res.stdout.count("design spaces generated and built") == 2
 
 
@@ -147,10 +152,7 @@ def test_warp_level_kernels_without_variants_are_not_tuned(tmp_path):
     (directory / "summary.json").write_text("{}")
     with pytest.raises(tuning.TuningLogError, match="no variants"):
         tuning.load_tuned(tmp_path, bare)
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target",
-                          "cuda:sm_90", "--kernels", "bwd_pre", "--head-dims", "64", "--dtypes",
-                          "bf16", "--causal", "none", "--dry-run"], capture_output=True, text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = _tune_dry_run("cuda:sm_90", "bwd_pre", "64", "bf16", "none")
     assert "skipped: written out at warp level" in res.stdout
 
 
@@ -167,11 +169,7 @@ def test_mma_variants_dry_run():
     assert found[0] == dataclasses.asdict(mma.tile(key))
     smaller = dataclasses.replace(key, target="cuda-sm_89")  # 99 KiB of shared memory
     assert len(schedules.variants("cuda", smaller)) < len(found)
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target",
-                          "cuda:sm_90", "--kernels", "dkv", "--head-dims", "256", "--dtypes",
-                          "bf16", "--causal", "none", "--dry-run"], capture_output=True,
-                         text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = _tune_dry_run("cuda:sm_90", "dkv", "256", "bf16", "none")
     assert f"{len(found)} variants built" in res.stdout
 
 
@@ -181,11 +179,7 @@ HOPPER = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")  # 7 varian
 def test_hopper_variants_dry_run():
     """The Hopper kernels are tuned over their variants (tiles); on a machine without the GPU
     every variant's workload is built as the tuner would build it."""
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target",
-                          "cuda:sm_90a", "--kernels", "dkv", "--head-dims", "128", "--dtypes",
-                          "bf16", "--causal", "none", "--dry-run"], capture_output=True,
-                         text=True)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = _tune_dry_run("cuda:sm_90a", "dkv", "128", "bf16", "none")
     assert f"{len(tvm_flash.build.schedules.variants('cuda', HOPPER))} variants built" in res.stdout
 
 
