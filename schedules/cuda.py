@@ -59,4 +59,4 @@ class CudaSchedule(gpu.GpuSchedule):
 
 
 SCHEDULE = CudaSchedule(gpu.GpuParams(name="CUDA", smem_budget=100 * 1024,
-                                      smem_scope="shared.dyn"))
+                                      smem_scope="shared.dyn", vector_loads=True))

@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from tvm import tirx
 from tvm.script import tirx as T
 
 from tvm_flash.kernels.common import (
@@ -57,6 +56,7 @@ from tvm_flash.kernels.common import (
     neg_inf,
     num_key_tiles,
     query_tiles_end,
+    require_aligned_rows,
     row_lse,
     softcap_slope,
     strides,
@@ -473,10 +473,7 @@ def _vector_rows(buf):
 def _require_vector_rows(name: str, *bufs):
     """Host check of kernel ``name``: every stride of ``bufs`` but the last is a multiple of
     ``VEC`` (or its dimension is 1), as ``tvm_flash.layout.kernel_view`` passes them."""
-    ok = [T.Or(buf.strides[i] % VEC == 0, buf.shape[i] == 1) for buf in bufs for i in range(3)]
-    return T.Assert(tirx.all(*ok), f"{name}: the batch, head and row strides of every "
-                    f"(B, H, L, D) tensor must be multiples of {VEC} elements (16 bytes); "
-                    "tvm_flash.layout.kernel_view copies tensors with others", "ValueError")
+    return require_aligned_rows(name, *bufs, elements=VEC, unit=" (16 bytes)")
 
 
 def _lane_row(i, n: int):

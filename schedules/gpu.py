@@ -39,6 +39,7 @@ class GpuParams:
     max_head_dim: int = 256  # larger head dims are refused (see ``why_max_head_dim``)
     why_max_head_dim: str = ""
     bf16_bytes: int = 2  # on-chip bytes of a bf16 element (4 where TVM legalizes bf16 to f32)
+    vector_loads: bool = False  # tile loads move PAD elements a thread at a time (_spread)
 
 _ESIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 _CANDIDATES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16), (16, 8), (8, 16))
@@ -65,7 +66,8 @@ _PRODUCERS = {
             "delta_s": "row_load", "dk_acc": "acc_init", "dv_acc": "acc_init"},
 }
 # blocks of each kernel by how they are mapped to threads
-_ELEMENTWISE = ("Q_load", "K_load", "V_load", "dO_load", "row_load", "stats_init", "P",
+_TILE_LOADS = ("Q_load", "K_load", "V_load", "dO_load")
+_ELEMENTWISE = (*_TILE_LOADS, "row_load", "stats_init", "P",
                 "rescale", "stats_update", "lsum_update", "dS", "lse_store", "stats_store")
 _ROW_REDUCTIONS = ("row_max", "row_sum")
 _SHARED_GEMMS = ("S_gemm", "dP_gemm", "St_gemm", "dPt_gemm")
@@ -161,12 +163,23 @@ def _thread_grid(rows: int, cols: int, tc: int = DEFAULTS["tc"]) -> tuple[int, i
     return tr, tc
 
 
-def _spread(sch: s_tir.Schedule, name: str) -> None:
-    """Elementwise block: flatten its loops and deal iterations to threads round-robin."""
+def _spread(sch: s_tir.Schedule, name: str, lanes: int = 1) -> None:
+    """Elementwise block: flatten its loops and deal iterations to threads round-robin;
+    ``lanes`` > 1 (a tile load): a thread moves that many neighbouring elements of a row at a
+    time, one vector load and store."""
     block = sch.get_sblock(name)
-    fused = sch.fuse(*_own_loops(sch, block))
+    loops = _own_loops(sch, block)
+    if lanes > 1:
+        # the lanes split off the row before the flattening, so that the row guard of the
+        # load (kernels.common.load_tile) stays one scalar test per vector
+        *outer, cols = loops
+        col, lane = sch.split(cols, [None, lanes])
+        loops = [*outer, col]
+    fused = sch.fuse(*loops)
     _, t = sch.split(fused, [None, THREADS])
     sch.bind(t, "threadIdx.x")
+    if lanes > 1:
+        sch.vectorize(lane)
 
 
 def _rows(sch: s_tir.Schedule, name: str) -> None:
@@ -249,7 +262,10 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
     apply_unroll(sch, block_loop, decisions["unroll"], SPACE["unroll"])
     for name in _ELEMENTWISE:
         if has_block(sch, name):
-            _spread(sch, name)
+            # PAD elements: a padded shared row (D + PAD elements) keeps a vector of them
+            # aligned, and so does a global row (16-byte aligned, tvm_flash.layout)
+            vector = params.vector_loads and name in _TILE_LOADS
+            _spread(sch, name, PAD if vector else 1)
     for name in _ROW_REDUCTIONS:
         if has_block(sch, name):
             _rows(sch, name)

@@ -31,6 +31,7 @@ from tvm.script import tirx as T
 
 from .common import (
     LOG2E,
+    MERGE_BATCH,
     NO_MODS,
     TILED,
     ModArgs,
@@ -38,6 +39,7 @@ from .common import (
     Rows,
     TileConfig,
     accumulate,
+    aligned_rows,
     at,
     exp2_clamped,
     first_key,
@@ -53,6 +55,7 @@ from .common import (
     pin_sequence,
     plain,
     query_tiles_end,
+    require_aligned_rows,
     softcap_slope,
     split_size,
     store_tile,
@@ -226,6 +229,11 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
         Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), f32)
         CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
         CuK = T.match_buffer(cuk_h, (NS1,), "int32")
+        require_aligned_rows("flash_dq", Q, K, V, dO)
+        Qa = aligned_rows(Q)
+        Ka = aligned_rows(K)
+        Va = aligned_rows(V)
+        dOa = aligned_rows(dO)
         ma = T.meta_var(ModArgs(Slopes, window_left, window_right, softcap))
 
         for b, h, qt in T.grid(NS1 - 1 if varlen else B, Hq,
@@ -246,7 +254,7 @@ def flash_dq(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfi
                               ma),
                     # a tile past its sequence's end walks no key
                     T.if_then_else(vt * BQ < lq, lk, T.int64(0)) if varlen else Lk)
-                dq_tile(Q, K, V, dO, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], lq, lk,
+                dq_tile(Qa, Ka, Va, dOa, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], lq, lk,
                         scale, ma,
                         sq[0] if varlen else None, sq[2] if varlen else None,
                         vb if varlen else c[0])
@@ -288,6 +296,11 @@ def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: Til
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), f32)
         dQpart = T.match_buffer(part_h, (BS, Hq, Lq, D), f32)
         Slopes = T.match_buffer(slopes_h, (B, Hq), f32)
+        require_aligned_rows("flash_dq_split", Q, K, V, dO)
+        Qa = aligned_rows(Q)
+        Ka = aligned_rows(K)
+        Va = aligned_rows(V)
+        dOa = aligned_rows(dO)
         ma = T.meta_var(ModArgs(Slopes, window_left, window_right, softcap))
 
         for b, hk, rt, s in T.grid(B, Hkv, T.ceildiv(group * Lq, BQ), BS // B):
@@ -302,7 +315,7 @@ def flash_dq_split(head_dim: int, dtype: str, causal: str, group: int, tile: Til
                     first_key(causal, T.int64(0), Lq, Lk, BK, vs * split_size(Lk, BS // B, BK),
                               mods, ma),
                     T.min((vs + 1) * split_size(Lk, BS // B, BK), Lk))
-                dq_tile(Q, K, V, dO, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
+                dq_tile(Qa, Ka, Va, dOa, LSE, Delta, acc, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
                         scale, ma, None, None,
                         c[0])
                 store("part_store", dQpart, acc, vs * B + c[0], c[1], c[3], Lq, BQ, D,
@@ -329,10 +342,20 @@ def flash_dq_merge(head_dim: int, dtype: str):
                 T.reads(dQpart[:, vh, vi, vd])
                 T.writes(dQ[vb, vh, vi, vd])
                 red = T.sblock_alloc_buffer((1,), f32, scope="local")
+                # coordinates and split count once (as flash_forward_merge's)
+                c = T.sblock_alloc_buffer((5,), "int64", scope="local")
+                c[0] = vb
+                c[1] = vh
+                c[2] = vi
+                c[3] = vd
+                c[4] = BS // B
                 red[0] = T.float32(0)
-                for s in T.serial(BS // B):
-                    red[0] = red[0] + dQpart[s * B + vb, vh, vi, vd]
-                dQ[vb, vh, vi, vd] = T.cast(red[0] * scale, dtype)
+                for so in T.serial(T.ceildiv(c[4], MERGE_BATCH)):  # in split order
+                    for si in T.serial(MERGE_BATCH):
+                        if so * MERGE_BATCH + si < c[4]:
+                            red[0] = red[0] + dQpart[(so * MERGE_BATCH + si) * B + c[0], c[1],
+                                                     c[2], c[3]]
+                dQ[c[0], c[1], c[2], c[3]] = T.cast(red[0] * scale, dtype)
 
     return flash_dq_merge
 
@@ -383,6 +406,11 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
         Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), f32)
         CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
         CuK = T.match_buffer(cuk_h, (NS1,), "int32")
+        require_aligned_rows("flash_dkv", Q, K, V, dO)
+        Qa = aligned_rows(Q)
+        Ka = aligned_rows(K)
+        Va = aligned_rows(V)
+        dOa = aligned_rows(dO)
         ma = T.meta_var(ModArgs(Slopes, window_left, window_right, softcap))
 
         for b, hk, kt in T.grid(NS1 - 1 if varlen else B, Hkv,
@@ -426,9 +454,9 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                           ma)
                       if mods.window else T.int64(0), T.int64(0))
 
-                m.load_k("K_load", Ks, K, c[0], c[1], at(k_off, c[2]), at(k_off, lk), BK, D,
+                m.load_k("K_load", Ks, Ka, c[0], c[1], at(k_off, c[2]), at(k_off, lk), BK, D,
                          dtype)
-                m.load_v("V_load", Vs, V, c[0], c[1], at(k_off, c[2]), at(k_off, lk), BK, D,
+                m.load_v("V_load", Vs, Va, c[0], c[1], at(k_off, c[2]), at(k_off, lk), BK, D,
                          dtype)
                 for j, d in T.grid(BK, D):
                     with T.sblock("acc_init"):
@@ -446,9 +474,9 @@ def flash_dkv(head_dim: int, dtype: str, causal: str, group: int, tile: TileConf
                         vqt = T.axis.opaque(q_tiles, qt)
                         hq = T.meta_var(c[1] * group + vg)
                         q0 = T.meta_var((c[3] + vqt) * BQ)
-                        m.load_q("Q_load", Qs, Q, c[0], hq, at(q_off, q0), at(q_off, lq), BQ, D,
+                        m.load_q("Q_load", Qs, Qa, c[0], hq, at(q_off, q0), at(q_off, lq), BQ, D,
                                  dtype, rows)
-                        m.load_do("dO_load", dOs, dO, c[0], hq, at(q_off, q0), at(q_off, lq), BQ,
+                        m.load_do("dO_load", dOs, dOa, c[0], hq, at(q_off, q0), at(q_off, lq), BQ,
                                   D, dtype, rows)
                         m.load_rows("row_load", lse_s, delta_s, LSE, Delta, c[0], hq,
                                     at(q_off, q0), at(q_off, lq), BQ, rows)

@@ -328,9 +328,43 @@ def pin_sequence(name, buf, cu_q, cu_k, s):
         buf[3] = T.cast(cu_k[s + 1] - cu_k[s], "int64")
 
 
+MERGE_BATCH = 4
+"""Key splits a merge kernel's thread reads at once (``forward.flash_forward_merge``,
+``backward.flash_dq_merge``): their loads overlap, the sums keep the split order."""
+
+ROW_ALIGN = 4
+"""Elements every batch, head and row stride of a ``(B, H, L, D)`` input is a multiple of
+(where its dimension is not 1): ``tvm_flash.layout.kernel_view`` passes rows that start
+16-byte aligned, which hold at least 4 elements of any dtype (:func:`require_aligned_rows`)."""
+
+
+def require_aligned_rows(name: str, *bufs, elements: int = ROW_ALIGN, unit: str = ""):
+    """Host check of kernel ``name``: every stride of ``bufs`` but the last is a multiple of
+    ``elements`` (or its dimension is 1), as :func:`aligned_rows` assumes (the warp-level
+    kernels' 16-byte copies ask for 8 16-bit elements: ``unit`` says so in the message)."""
+    ok = [T.Or(buf.strides[i] % elements == 0, buf.shape[i] == 1) for buf in bufs
+          for i in range(3)]
+    return T.Assert(tirx.all(*ok), f"{name}: the batch, head and row strides of every "
+                    f"(B, H, L, D) tensor must be multiples of {elements} elements{unit}; "
+                    "tvm_flash.layout.kernel_view copies tensors with others", "ValueError")
+
+
+def aligned_rows(buf):
+    """A view of ``buf`` (strided, :func:`strides`) with its strides spelled ``s // 4 * 4``,
+    declared at the top of a kernel (a view declared inside a block would be among the reads
+    TVM infers for the blocks around it, before its declaration):
+    the same addresses (:func:`require_aligned_rows`), but TVM's code generators then see
+    that ``ROW_ALIGN`` neighbouring elements of a row start aligned and load them as one
+    vector; with a bare symbolic stride they gather them one element at a time (they test
+    the alignment of an index with an analyzer that knows nothing of the strides)."""
+    return T.decl_buffer(buf.shape, buf.dtype, data=buf.data,
+                         strides=[s // ROW_ALIGN * ROW_ALIGN for s in buf.strides[:-1]] + [1])
+
+
 def load_tile(name, dst, src, b, h, start, length, rows, cols, dtype, lay=TILED):
     """``dst[i, :] = src[b, h, start + i, :]`` for ``rows`` rows, zero past ``length``
-    (``lay``: packed query rows, see :class:`Rows`)."""
+    (``lay``: packed query rows, see :class:`Rows`). Pass ``src`` as its
+    :func:`aligned_rows` view, so that a schedule may vectorise along the row."""
     for i, d in T.grid(rows, cols):
         with T.sblock(name):
             vi, vd = T.axis.remap("SS", [i, d])

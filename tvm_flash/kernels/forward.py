@@ -27,6 +27,7 @@ from tvm.script import tirx as T
 
 from .common import (
     LOG2E,
+    MERGE_BATCH,
     NO_MODS,
     TILED,
     ModArgs,
@@ -34,6 +35,7 @@ from .common import (
     Rows,
     TileConfig,
     accumulate,
+    aligned_rows,
     at,
     exp2_clamped,
     first_key,
@@ -46,6 +48,7 @@ from .common import (
     pin_scalars,
     pin_sequence,
     plain,
+    require_aligned_rows,
     row_lse,
     split_size,
     store_tile,
@@ -224,6 +227,10 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
         Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), f32)
         CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
         CuK = T.match_buffer(cuk_h, (NS1,), "int32")
+        require_aligned_rows("flash_fwd", Q, K, V)
+        Qa = aligned_rows(Q)
+        Ka = aligned_rows(K)
+        Va = aligned_rows(V)
         ma = T.meta_var(ModArgs(Slopes, window_left, window_right, softcap))
 
         for b, h, qt in T.grid(NS1 - 1 if varlen else B, Hq,
@@ -246,7 +253,7 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
                               ma),
                     # a tile past its sequence's end walks no key
                     T.if_then_else(vt * BQ < lq, lk, T.int64(0)) if varlen else Lk)
-                attend(Q, K, V, Sinks, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], lq, lk,
+                attend(Qa, Ka, Va, Sinks, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], lq, lk,
                        scale, ma,
                        sq[0] if varlen else None, sq[2] if varlen else None,
                        vb if varlen else c[0])
@@ -302,6 +309,10 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
         Mpart = T.match_buffer(m_h, (BS, Hq, Lq), f32)
         Lpart = T.match_buffer(l_h, (BS, Hq, Lq), f32)
         Slopes = T.match_buffer(slopes_h, (B, Hq), f32)
+        require_aligned_rows("flash_fwd_split", Q, K, V)
+        Qa = aligned_rows(Q)
+        Ka = aligned_rows(K)
+        Va = aligned_rows(V)
         ma = T.meta_var(ModArgs(Slopes, window_left, window_right, softcap))
 
         for b, hk, rt, s in T.grid(B, Hkv, T.ceildiv(group * Lq, BQ), BS // B):
@@ -319,7 +330,7 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
                     first_key(causal, T.int64(0), Lq, Lk, BK, vs * split_size(Lk, BS // B, BK),
                               mods, ma),
                     T.min((vs + 1) * split_size(Lk, BS // B, BK), Lk))
-                attend(Q, K, V, Q, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
+                attend(Qa, Ka, Va, Q, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
                        scale, ma, None, None,
                        c[0])
                 store_o("part_store", Opart, acc, vs * B + c[0], c[1], c[3], Lq, BQ, D,
@@ -365,23 +376,41 @@ def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):
                 T.reads(Opart[:, vh, vi, vd], Mpart[:, vh, vi], Lpart[:, vh, vi], Sinks[vh])
                 T.writes(O[vb, vh, vi, vd], LSE[vb, vh, vi])
                 red = T.sblock_alloc_buffer((3,), f32, scope="local")
-                red[0] = Sinks[vh] * T.float32(LOG2E) if sinks else neg_inf()
-                for s in T.serial(BS // B):
-                    red[0] = T.max(red[0], Mpart[s * B + vb, vh, vi])
+                # the element's coordinates and the split count, computed once (see
+                # common.pin_scalars: else their 64-bit divisions repeat in every iteration)
+                c = T.sblock_alloc_buffer((5,), "int64", scope="local")
+                c[0] = vb
+                c[1] = vh
+                c[2] = vi
+                c[3] = vd
+                c[4] = BS // B
+                red[0] = Sinks[c[1]] * T.float32(LOG2E) if sinks else neg_inf()
+                # the splits in batches of MERGE_BATCH (a constant loop the CUDA compiler
+                # unrolls): a batch's loads are independent and overlap, where a plain loop
+                # waits for each in turn; the additions keep the split order. (T.unroll here
+                # makes TVM 0.27 drop the loop's body.)
+                for so in T.serial(T.ceildiv(c[4], MERGE_BATCH)):
+                    for si in T.serial(MERGE_BATCH):
+                        if so * MERGE_BATCH + si < c[4]:
+                            red[0] = T.max(red[0], Mpart[(so * MERGE_BATCH + si) * B + c[0],
+                                                         c[1], c[2]])
                 red[1] = T.float32(0)
                 if sinks:
-                    if Sinks[vh] != neg_inf():
-                        red[1] = exp2_clamped(Sinks[vh] * T.float32(LOG2E) - red[0])
+                    if Sinks[c[1]] != neg_inf():
+                        red[1] = exp2_clamped(Sinks[c[1]] * T.float32(LOG2E) - red[0])
                 red[2] = T.float32(0)
-                for s in T.serial(BS // B):
-                    # a split that saw no key has m = -inf and contributes nothing
-                    if Mpart[s * B + vb, vh, vi] != neg_inf():
-                        red[1] = red[1] + Lpart[s * B + vb, vh, vi] * exp2_clamped(
-                            Mpart[s * B + vb, vh, vi] - red[0])
-                        red[2] = red[2] + Opart[s * B + vb, vh, vi, vd] * exp2_clamped(
-                            Mpart[s * B + vb, vh, vi] - red[0])
-                O[vb, vh, vi, vd] = T.cast(_normalised(red[2], red[1]), dtype)
-                if vd == 0:
-                    LSE[vb, vh, vi] = row_lse(red[0], red[1])
+                for so in T.serial(T.ceildiv(c[4], MERGE_BATCH)):
+                    for si in T.serial(MERGE_BATCH):
+                        s = T.meta_var((so * MERGE_BATCH + si) * B + c[0])
+                        # a split that saw no key has m = -inf and contributes nothing
+                        if so * MERGE_BATCH + si < c[4]:
+                            if Mpart[s, c[1], c[2]] != neg_inf():
+                                red[1] = red[1] + Lpart[s, c[1], c[2]] * exp2_clamped(
+                                    Mpart[s, c[1], c[2]] - red[0])
+                                red[2] = red[2] + Opart[s, c[1], c[2], c[3]] * exp2_clamped(
+                                    Mpart[s, c[1], c[2]] - red[0])
+                O[c[0], c[1], c[2], c[3]] = T.cast(_normalised(red[2], red[1]), dtype)
+                if c[3] == 0:
+                    LSE[c[0], c[1], c[2]] = row_lse(red[0], red[1])
 
     return flash_fwd_merge
