@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import itertools
 import multiprocessing
 import pathlib
@@ -31,7 +32,14 @@ sys.path.insert(0, str(ROOT))
 
 from tvm_flash import artifacts, export, tuning  # noqa: E402
 from tvm_flash.build import schedules  # noqa: E402
-from tvm_flash.key import CAUSAL_MODES, DTYPES, HEAD_DIMS, MODS, KernelKey  # noqa: E402
+from tvm_flash.key import (  # noqa: E402
+    CAUSAL_MODES,
+    DTYPES,
+    HEAD_DIMS,
+    LENGTH_BUCKETS,
+    MODS,
+    KernelKey,
+)
 from tvm_flash.plan import call_keys  # noqa: E402
 from tvm_flash.target import parse_target, target_kind  # noqa: E402
 
@@ -89,16 +97,31 @@ def _build_one(key: KernelKey, out: pathlib.Path, tuned):
 
 
 def tuned_choices(keys, logs: pathlib.Path) -> dict:
-    """The tuning-log choice for every key that has a log (refusing bad logs up front)."""
+    """The tuning-log choice for every key that has a log (refusing bad logs up front), and
+    for each tiled kernel's length buckets that have one (``tvm_flash.key.LENGTH_BUCKETS``:
+    a build of its own, which the runtime takes for calls that short)."""
     choices = {}
     for key in keys:
-        try:
-            found = tuning.load_tuned(logs, key)
-        except tuning.TuningLogError as err:
-            sys.exit(f"error: {err}")
-        if found is not None:
-            choices[key] = found
+        buckets = () if key.spec.row_wise or key.spec.short_query else LENGTH_BUCKETS
+        for candidate in (key, *(dataclasses.replace(key, lengths=b) for b in buckets)):
+            try:
+                found = tuning.load_tuned(logs, candidate)
+            except tuning.TuningLogError as err:
+                sys.exit(f"error: {err}")
+            if found is not None:
+                choices[candidate] = found
     return choices
+
+
+def _how(key, tuned: dict | None) -> str:
+    """Which variant or tile a kernel was built with, and why."""
+    lowered = schedules.lowers(target_kind(key.target), key)
+    if tuned is None:
+        return ("hand-written kernel, its default variant: no tuning log" if lowered
+                else "the schedule's default tile: no tuning log")
+    chosen = (f"variant {tuned['variant']}" if "variant" in tuned
+              else f"tile {tuned['tile']} {tuned['decisions']}")
+    return f"tuned {chosen}: {tuned['why']}"
 
 
 def main(argv=None) -> int:
@@ -149,10 +172,12 @@ def main(argv=None) -> int:
     check_supported(keys)
     logs = None if args.tuning_logs == "none" else pathlib.Path(args.tuning_logs)
     tuned = tuned_choices(keys, logs) if logs else {}
+    buckets = [k for k in tuned if k.lengths]  # length buckets' own builds
+    keys += buckets
     out = pathlib.Path(args.out) if args.out else artifacts.default_artifact_dir(target)
     print(f"building {len(keys)} kernels for {target} into {out} ({len(tuned)} from tuning "
-          f"logs, {len(keys) - len(tuned)} with the default schedule: no matching log)",
-          flush=True)
+          f"logs, {len(buckets)} of them for a length bucket; {len(keys) - len(tuned)} with "
+          "the default schedule: no matching log)", flush=True)
     entries, failures, start = [], [], time.time()
     # spawned, not forked: a worker forked from a process that touched the CUDA runtime
     # (a GPU machine) fails with an initialization error
@@ -168,9 +193,7 @@ def main(argv=None) -> int:
                 print(f"[{i:3}/{len(keys)}] FAILED {key.name}: {err}", flush=True)
                 continue
             entries.append(entry)
-            how = (f"tuned {entry['tuned']['tile']} {entry['tuned']['decisions']}"
-                   if key in tuned else "hand-written kernel (mma.sync or wgmma), not tuned"
-                   if schedules.lowers(target_kind(key.target), key) else "default")
+            how = _how(key, tuned.get(key))
             print(f"[{i:3}/{len(keys)}] {key.name}  {secs:.1f}s  ({how})", flush=True)
     if failures:
         print(f"error: {len(failures)} of {len(keys)} kernels failed; manifest not written",

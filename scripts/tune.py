@@ -15,6 +15,8 @@ Logs go to ``tuning_logs/<target>/<kernel key>/`` and a rerun resumes from them;
     python scripts/tune.py --target cuda:sm_90a --kernels fwd,dq,dkv --head-dims 64,128 \\
         --dtypes bf16 --causal none,top-left --trials 12   # Hopper variants (an H100/H200)
     python scripts/tune.py --target metal --dry-run      # space generation + build, no GPU
+    python scripts/tune.py --target cuda:sm_90a --kernels fwd --lengths 0,1024 --trials 12
+        # a log for every length and one for calls up to 1024 long (their own build)
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from tvm_flash import tuning  # noqa: E402
 from tvm_flash.build import schedules  # noqa: E402
-from tvm_flash.key import CAUSAL_MODES, DTYPES, KernelKey  # noqa: E402
+from tvm_flash.key import CAUSAL_MODES, DTYPES, LENGTH_BUCKETS, KernelKey  # noqa: E402
 from tvm_flash.target import parse_target, target_kind  # noqa: E402
 
 SHORT = {v: k for k, v in DTYPES.items()}
@@ -57,6 +59,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="bf16", help="comma list of bf16, fp16, fp32")
     p.add_argument("--causal", default="none,top-left", help=f"from {', '.join(CAUSAL_MODES)}")
     p.add_argument("--gqa", default="1", help="comma list of GQA group sizes")
+    p.add_argument("--lengths", default="0",
+                   help="comma list of length buckets: 0 (every length) and/or "
+                        f"{', '.join(map(str, LENGTH_BUCKETS))} (calls whose longest sequence "
+                        "is that short get their own build, tuned at that length)")
     p.add_argument("--trials", type=int, default=256, help="measured candidates per kernel")
     p.add_argument("--max-tiles", type=int, default=2,
                    help="how many of the largest fitting tiles to search (trials split evenly)")
@@ -69,10 +75,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         target = parse_target(args.target)
-        keys = [KernelKey(op, d, SHORT[dt], causal, g, target)
-                for op, d, dt, causal, g in itertools.product(
-                    _csv(args.kernels), _csv(args.head_dims, int), _csv(args.dtypes),
-                    _csv(args.causal), _csv(args.gqa, int))]
+        keys = [KernelKey(op, d, SHORT[dt], causal, g, target, lengths=n)
+                for n, op, d, dt, causal, g in itertools.product(
+                    _csv(args.lengths, int), _csv(args.kernels), _csv(args.head_dims, int),
+                    _csv(args.dtypes), _csv(args.causal), _csv(args.gqa, int))]
     except (ValueError, KeyError) as err:
         p.error(str(err))
     start = time.time()

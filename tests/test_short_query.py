@@ -112,8 +112,9 @@ def test_num_splits_fills_the_device_but_keeps_splits_long():
     n = plan.num_splits(q, k, plan.PACKED_ROWS, units)
     assert n == 33  # 8 key/value heads x 1 tile (their 4 query heads packed): 33 x 8 = 264
     assert 1 <= n <= 128 * 1024 // plan.KEYS_PER_SPLIT_MIN
-    # 300 keys: at most 2 splits
-    assert plan.num_splits(q, torch.empty(1, 8, 300, 128), plan.PACKED_ROWS, units) == 2
+    # 300 keys: at most ceil(300 / KEYS_PER_SPLIT_MIN) splits
+    assert plan.num_splits(q, torch.empty(1, 8, 300, 128), plan.PACKED_ROWS, units) == (
+        -(-300 // plan.KEYS_PER_SPLIT_MIN))
     # already enough blocks
     assert plan.num_splits(torch.empty(64, 32, 8, 128), k, plan.PACKED_ROWS, units) == 1
 

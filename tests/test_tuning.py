@@ -14,6 +14,7 @@ import torch
 import tvm_flash
 from tvm_flash import KernelKey, tuning
 from tvm_flash.build import scheduled_module
+from tvm_flash.key import CAUSAL_MODES, HEAD_DIMS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEY = KernelKey("fwd", 64, "float32", "top-left", 1, "llvm")
@@ -83,6 +84,8 @@ def test_build_from_logs_is_deterministic_and_runs(logs, tmp_path):
                              capture_output=True, text=True)
         assert res.returncode == 0, res.stdout + res.stderr
         assert "1 from tuning logs" in res.stdout
+        assert f"{KEY.name}" in res.stdout and "(tuned tile" in res.stdout
+        assert "fastest of" in res.stdout  # and why (tuning.load_tuned's "why")
         outs.append(json.loads((out / "manifest.json").read_text()))
     entry_a, entry_b = (m["kernels"][KEY.name] for m in outs)
     assert entry_a["schedule"] == "tuned" and entry_a["fingerprint"] == entry_b["fingerprint"]
@@ -97,6 +100,60 @@ def test_build_from_logs_is_deterministic_and_runs(logs, tmp_path):
     finally:
         tvm_flash.use_artifacts(None)
         tvm_flash.allow_jit(None)
+
+
+def test_length_bucket_gets_its_own_build_and_the_runtime_takes_it(tmp_path):
+    """A log for calls up to 1024 long (``--lengths 1024``) becomes a build of its own, which
+    calls that short run and longer ones do not; without such a build every call runs the
+    every-length kernel."""
+    from tvm_flash import plan
+
+    bucket = dataclasses.replace(KEY, lengths=1024)
+    assert bucket.name == "fwd-d64-fp32-top-left-g1-n1024-llvm"
+    logs = tmp_path / "logs"
+    summary = tuning.tune(bucket, logs, trials=2)
+    assert summary["bucket"] == 1024 and "calls up to 1024 long" in tuning.load_tuned(
+        logs, bucket)["why"]
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), "--target",
+                          "llvm", "--head-dims", "64", "--dtypes", "fp32", "--causal",
+                          "top-left", "--tuning-logs", str(logs), "--out", str(out)],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "1 of them for a length bucket" in res.stdout and bucket.name in res.stdout
+    manifest = json.loads((out / "manifest.json").read_text())["kernels"]
+    assert bucket.name in manifest and KEY.name in manifest
+    try:
+        tvm_flash.use_artifacts(out)
+        tvm_flash.allow_jit(False)
+        for n, want in ((70, bucket), (1030, KEY)):
+            q = torch.randn(1, 2, n, 64)
+            out_ = tvm_flash.attention(q, q, q, is_causal=True)
+            ref, _ = tvm_flash.attention_reference(q, q, q, causal="top-left")
+            torch.testing.assert_close(out_.double(), ref, atol=1e-5, rtol=1e-5)
+            run = plan.get(q.device, q.dtype, 64, "top-left", 1, False, n, False, lk=n)
+            assert run.keys == (want,)
+    finally:
+        tvm_flash.use_artifacts(None)
+        tvm_flash.allow_jit(None)
+    # no bucket build: the every-length kernel serves short calls too (JIT)
+    tvm_flash.allow_jit(True)
+    try:
+        run = plan.get(torch.device("cpu"), torch.float32, 64, "top-left", 1, False, 70, False,
+                       lk=70)
+        assert run.keys == (KEY,)
+    finally:
+        tvm_flash.allow_jit(None)
+
+
+def test_length_bucket_keys_are_checked():
+    with pytest.raises(ValueError, match="lengths: 512 is not 0"):
+        dataclasses.replace(KEY, lengths=512)
+    with pytest.raises(ValueError, match="only the tiled forward"):
+        KernelKey("fwd_merge", 64, "float32", "none", 1, "llvm", lengths=1024)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target", "llvm",
+                          "--lengths", "0,2048", "--dry-run"], capture_output=True, text=True)
+    assert res.returncode != 0 and "lengths: 2048" in res.stderr
 
 
 def test_log_for_another_target_is_refused(logs, tmp_path):
@@ -124,6 +181,44 @@ def test_corrupt_log_is_refused(logs, tmp_path, damage):
                           str(tmp_path / "out")], capture_output=True, text=True)
     assert res.returncode != 0 and "corrupt" in res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _committed_logs() -> dict:
+    """The committed tuning logs: their directory -> key."""
+    names = {k.name: k for k in (
+        KernelKey(op, d, dt, c, g, t) for op in ("fwd", "dq", "dkv") for d in HEAD_DIMS
+        for dt in ("float16", "bfloat16", "float32") for c in CAUSAL_MODES for g in (1, 2, 4, 8)
+        for t in ("llvm", "cuda-sm_80", "cuda-sm_90", "cuda-sm_90a"))}
+    return {p.parent: names[p.parent.name]
+            for p in sorted((ROOT / "tuning_logs").glob("*/*/summary.json"))}
+
+
+def test_committed_logs_load():
+    """Every committed log passes load_tuned's checks (key, target, TVM version, a variant
+    its kernel has) and says why its choice was made; together they stay well under 1 MiB."""
+    logs = _committed_logs()
+    assert logs
+    for directory, key in logs.items():
+        assert directory.parent.name == key.target
+        tuned = tuning.load_tuned(ROOT / "tuning_logs", key)
+        assert tuned is not None and "fastest of" in tuned["why"], directory
+    size = sum(p.stat().st_size for p in (ROOT / "tuning_logs").rglob("*") if p.is_file())
+    assert size < 512 * 1024
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
+def test_build_applies_a_committed_hopper_log(tmp_path):
+    """build.py cross-compiles the H200 forward log's variant on a GPU-less host and says so."""
+    key = KernelKey("fwd", 64, "bfloat16", "none", 1, "cuda-sm_90a")
+    assert (ROOT / "tuning_logs" / key.target / key.name / "summary.json").exists()
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), "--target",
+                          "cuda:sm_90a", "--head-dims", "64", "--dtypes", "bf16", "--causal",
+                          "none", "--out", str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    line = next(x for x in res.stdout.splitlines() if f" {key.name} " in x)
+    assert "tuned variant" in line and "NVIDIA H200" in line, line
+    entry = json.loads((tmp_path / "manifest.json").read_text())["kernels"][key.name]
+    assert entry["schedule"] == "tuned" and "why" not in entry["tuned"]
 
 
 def test_no_log_means_default_schedule():

@@ -286,6 +286,17 @@ def _load(key: KernelKey):
         f"(tvm_flash.allow_jit()).")
 
 
+def has(key: KernelKey) -> bool:
+    """Whether an artifact directory (:func:`lookup`; not the JIT cache) lists ``key``. The
+    runtime asks it of a length bucket's build (``tvm_flash.plan``): those exist only where
+    ``scripts/build.py`` made one from a tuning log, never built on first use."""
+    for _, directory in lookup(key.target):
+        manifest = _manifest(directory)
+        if manifest is not None and key.name in manifest["kernels"]:
+            return True
+    return False
+
+
 def kernel(key: KernelKey):
     """The callable entry function of ``key``'s module, loaded once per process."""
     with _lock:

@@ -53,7 +53,7 @@ def build_artifact(key: KernelKey, out_dir: pathlib.Path, with_fingerprint: bool
     of a tuning log (:func:`tvm_flash.tuning.load_tuned`), recorded in the entry. The entry
     records the source digest the loader checks.
     """
-    choice = {k: v for k, v in tuned.items() if k != "digest"} if tuned else None
+    choice = {k: v for k, v in tuned.items() if k not in ("digest", "why")} if tuned else None
     fp = fingerprint(key, choice)
     built = compile_module(key, scheduled_module(key, choice))
     stem = f"{key.name}-{fp}" if with_fingerprint else key.name

@@ -46,6 +46,12 @@ arguments, so one kernel serves every window and cap."""
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 """Head dimensions the kernels are written for (multiples of 32 up to 256)."""
 
+LENGTH_BUCKETS = (1024,)
+"""Length buckets: a tiled kernel (forward, dQ, dK/dV) may have a variant tuned for the calls
+whose longest sequence (``max(Lq, Lk)``, packed: the longest sequence's) is at most one of
+these (:attr:`KernelKey.lengths`; the runtime takes it where one was built,
+``tvm_flash.plan``). ``lengths=0``, every length, is the key of every kernel otherwise."""
+
 
 def dtype_name(dtype) -> str:
     """Normalise a dtype given as torch dtype, TVM string or short name to the TVM string."""
@@ -67,6 +73,9 @@ class KernelKey:
     applies a sliding window, logit soft-capping or an ALiBi bias to its scores
     (:data:`MODS`); the key names the feature, the call passes its values. ``varlen``: the
     kernel's variable-length form (packed sequences, ``tvm_flash.opspec.VARLEN_ARGS``).
+    ``lengths``: 0 (every length), or the length bucket (:data:`LENGTH_BUCKETS`) this build of
+    a tiled kernel was tuned for: the same kernel code, its variant chosen by a tuning log for
+    calls that short.
     """
 
     op: str
@@ -80,6 +89,7 @@ class KernelKey:
     softcap: bool = False
     alibi: bool = False
     varlen: bool = False
+    lengths: int = 0
 
     def __post_init__(self):
         spec = self.spec
@@ -105,6 +115,12 @@ class KernelKey:
             takes = [op for op, s in SPECS.items() if s.varlen]
             raise ValueError(f"varlen: only the {', '.join(takes)} kernels have a "
                              f"variable-length form, not {self.op!r}")
+        if self.lengths not in (0, *LENGTH_BUCKETS):
+            raise ValueError(f"lengths: {self.lengths!r} is not 0 (every length) or a length "
+                             f"bucket of {LENGTH_BUCKETS}")
+        if self.lengths and (spec.row_wise or spec.short_query):
+            raise ValueError(f"lengths: only the tiled forward, dQ and dK/dV kernels have "
+                             f"length buckets, not {self.op!r}")
         if spec.row_wise and (self.causal, self.group) != ("none", 1):
             raise ValueError(f"{self.op}: a row-wise kernel; its key takes causal='none', "
                              f"group=1")
@@ -123,8 +139,11 @@ class KernelKey:
     def name(self) -> str:
         """File-system safe name, e.g. ``fwd-d64-bf16-top-left-g4-cuda-sm_90``
         (``fwd-sinks-…`` for the forward with sinks, ``dq-window-softcap-…`` for a dQ with
-        score modifiers, ``fwd-varlen-…`` for packed sequences; ``dkv_packed-…`` etc.)."""
+        score modifiers, ``fwd-varlen-…`` for packed sequences; ``dkv_packed-…`` etc.; a
+        length bucket before the target: ``…-g1-n1024-cuda-sm_90a``)."""
         op = "-".join((self.op, *(("varlen",) if self.varlen else ()),
                        *(("sinks",) if self.sinks else ()), *self.mods))
         dtype = DTYPES[self.dtype]
-        return f"{op}-d{self.head_dim}-{dtype}-{self.causal}-g{self.group}-{self.target}"
+        bucket = f"-n{self.lengths}" if self.lengths else ""
+        return (f"{op}-d{self.head_dim}-{dtype}-{self.causal}-g{self.group}{bucket}-"
+                f"{self.target}")

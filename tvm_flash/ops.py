@@ -128,7 +128,8 @@ def flash_forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = N
         lse.fill_(-math.inf) if sinks is None else lse.copy_(sinks[None, :, None].expand_as(lse))
         return out.zero_(), lse
     run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], sinks is not None,
-                   packed.max_q if packed else lq, False, mods.names, packed is not None)
+                   packed.max_q if packed else lq, False, mods.names, packed is not None,
+                   packed.max_k if packed else k.shape[2])
     run.forward(q, k, v, sinks if sinks is not None else _no_sinks(q.device, hq), out, lse,
                 scale, _extra(mods, packed, b, hq, lq, k.shape[2], q.device))
     return out, lse
@@ -162,7 +163,8 @@ def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float,
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), None if sinks is None else lse.new_zeros(hq)
     run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], False,
-                   packed.max_q if packed else lq, True, mods.names, packed is not None)
+                   packed.max_q if packed else lq, True, mods.names, packed is not None,
+                   packed.max_k if packed else k.shape[2])
     delta = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
     run.backward(do, q, k, v, out, lse, delta, dq, dk, dv, scale,
                  _extra(mods, packed, b, hq, lq, k.shape[2], q.device))

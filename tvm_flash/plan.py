@@ -2,12 +2,13 @@
 
 A call's *signature* is what fixes the kernels it runs: device, dtype, head dim, causal mode,
 GQA group, sinks, score modifiers (``tvm_flash.key.MODS``), packed sequences (varlen) or not,
-short query or not, forward or backward. The first call of a signature
-builds its :class:`Plan` — kernel keys made and validated, the target tag of the device
-looked up, the kernels loaded, the device's parallel units counted — and the plan is cached;
-every later call of that signature does a dictionary lookup, arithmetic on its shapes and the
-launches. This module is also what ``scripts/build.py`` asks which kernels to build
-(:func:`call_keys`), so the launch sequence is written down once.
+short query or not, forward or backward, and the length bucket (a tiled kernel's build tuned
+for calls that short, where ``scripts/build.py`` made one: :func:`length_bucket`). The first
+call of a signature builds its :class:`Plan` — kernel keys made and validated, the target tag
+of the device looked up, the kernels loaded, the device's parallel units counted — and the
+plan is cached; every later call of that signature does a dictionary lookup, arithmetic on
+its shapes and the launches. This module is also what ``scripts/build.py`` asks which
+kernels to build (:func:`call_keys`), so the launch sequence is written down once.
 
 Streams: a CUDA kernel runs on PyTorch's current stream without tvm-flash looking it up.
 tvm-ffi does that in C on every call that gets a CUDA ``torch.Tensor`` argument: it asks
@@ -29,7 +30,7 @@ import torch
 
 from . import artifacts
 from .artifacts import kernel
-from .key import KernelKey
+from .key import LENGTH_BUCKETS, KernelKey
 from .opspec import PACKED_ROWS
 from .target import target_tag_for_device
 
@@ -41,8 +42,11 @@ of a GQA group (``PACKED_ROWS`` rows) and the keys are split over blocks. Longer
 tiled kernels. Set from the H200 crossover (docs/perf.md, "Short queries"): the short path is
 >= 2x faster through Lq = 12 at batch 1 and 8, and only breaks even with the tiled kernels at
 Lq = 16."""
-KEYS_PER_SPLIT_MIN = 256
-"""A key split is never shorter than this (fewer, longer splits merge cheaper)."""
+KEYS_PER_SPLIT_MIN = 128
+"""A key split is never shorter than this (fewer, longer splits merge cheaper). One key tile
+of the short-query kernels: on the H200 (decode, B 1, Hq 32, Hkv 8, Lk 4096, D 128, bf16) 32
+splits of 128 keys take 31 + 18 us (split + merge kernels) where 16 of 256 took 51 + 10
+(docs/journal/2026-12-02-host-path.md); 64 was no faster."""
 
 
 def is_short(lq: int) -> bool:
@@ -72,6 +76,28 @@ def _partials(q, splits: int, *trailing):
     """float32 workspace of shape ``(splits * B, Hq, Lq, *trailing)``."""
     b, hq, lq, _ = q.shape
     return torch.empty((splits * b, hq, lq, *trailing), dtype=torch.float32, device=q.device)
+
+
+# ------------------------------------------------------------------------ length buckets
+
+
+def length_bucket(longest: int) -> int:
+    """The length bucket (``tvm_flash.key.LENGTH_BUCKETS``) of a call whose longest sequence
+    is ``longest``: the smallest that holds it, or 0 (every length)."""
+    for bucket in LENGTH_BUCKETS:
+        if longest <= bucket:
+            return bucket
+    return 0
+
+
+def _bucketed(key: KernelKey, bucket: int) -> KernelKey:
+    """``key``'s build tuned for ``bucket`` where an artifact directory has one (only
+    ``scripts/build.py`` makes them, from a tuning log for that bucket), else ``key``: the
+    same kernel with its default variant or its every-length log's."""
+    if not bucket or key.spec.row_wise or key.spec.short_query:
+        return key
+    tuned = dataclasses.replace(key, lengths=bucket)
+    return tuned if artifacts.has(tuned) else key
 
 
 # ------------------------------------------------------------- the kernels of each call
@@ -195,22 +221,25 @@ _lock = threading.Lock()
 
 def get(device: torch.device, dtype: torch.dtype, head_dim: int, causal: str, group: int,
         sinks: bool, lq: int, backward: bool, mods: tuple[str, ...] = (),
-        varlen: bool = False) -> Plan:
+        varlen: bool = False, lk: int = 0) -> Plan:
     """The plan of a call (made on the first call of its signature). Arguments must already
     be validated (``tvm_flash.ops.check_inputs``); ``mods``: the score modifiers applied
     (names from ``tvm_flash.key.MODS``, in that order); ``varlen``: packed sequences (``lq``
-    then the longest one's queries; they take the tiled kernels whatever it is)."""
+    and ``lk`` then the longest one's; they take the tiled kernels whatever they are).
+    ``max(lq, lk)`` picks the length bucket (:func:`length_bucket`)."""
+    short = is_short(lq) and not varlen
     # A plan holds loaded kernels: where they come from (use_artifacts / allow_jit) is part
     # of the signature, so switching the artifact directory or JIT never reuses a plan.
-    signature = (device, dtype, head_dim, causal, group, sinks and not backward,
-                 is_short(lq) and not varlen, backward, mods, varlen, artifacts._state["dir"],
-                 artifacts._state["jit"])
+    signature = (device, dtype, head_dim, causal, group, sinks and not backward, short,
+                 backward, mods, varlen, 0 if short else length_bucket(max(lq, lk)),
+                 artifacts._state["dir"], artifacts._state["jit"])
     found = _plans.get(signature)
     return found if found is not None else _make(signature)
 
 
 def _make(signature: tuple) -> Plan:
-    device, dtype, head_dim, causal, group, sinks, short, backward, mods, varlen = signature[:10]
+    (device, dtype, head_dim, causal, group, sinks, short, backward, mods, varlen,
+     bucket) = signature[:11]
     with _lock:
         if signature in _plans:
             return _plans[signature]
@@ -221,6 +250,7 @@ def _make(signature: tuple) -> Plan:
         else:
             keys = forward_keys(target, head_dim, dtype, causal, group, sinks=sinks,
                                 short=short, mods=mods, varlen=varlen)
+        keys = tuple(_bucketed(key, bucket) for key in keys)
         found = Plan(keys, tuple(kernel(key) for key in keys), short, parallel_units(device),
                      device.type == "mps")
         _plans[signature] = found

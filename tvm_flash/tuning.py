@@ -27,8 +27,11 @@ Hand-lowered kernels without variants (the backward's row-wise preprocess, keys 
 modifiers or packed sequences) are refused, and so is a log for one.
 
 Lengths: kernels take every length symbolically; tuning measures one representative shape per
-length bucket. There is one bucket for now, ``any`` (GPU: B = 2, 16 query heads,
-Lq = Lk = 4096; CPU: B = 1, 4 heads, 256), which every runtime length uses.
+length bucket (:data:`BUCKETS`). A key's ``lengths`` names its bucket: 0, every length (GPU:
+B = 2, 16 query heads, Lq = Lk = 4096; CPU: B = 1, 4 heads, 256), or one of
+``tvm_flash.key.LENGTH_BUCKETS`` (1024: GPU B = 16, 16 heads, 1024;
+CPU B = 1, 4 heads, 64), whose tuned variant the runtime takes for calls whose longest
+sequence is that short (``tvm_flash.plan``). A bucket without a log has no build of its own.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ from .kernels import FACTORIES, TileConfig
 from .key import KernelKey
 from .target import make_target, target_kind
 
-BUCKETS = {"any": {"gpu": {"B": 2, "Hq": 16, "L": 4096}, "cpu": {"B": 1, "Hq": 4, "L": 256}}}
-"""Length buckets and their representative shapes (one bucket, ``any``, for now)."""
+BUCKETS = {0: {"gpu": {"B": 2, "Hq": 16, "L": 4096}, "cpu": {"B": 1, "Hq": 4, "L": 256}},
+           1024: {"gpu": {"B": 16, "Hq": 16, "L": 1024}, "cpu": {"B": 1, "Hq": 4, "L": 64}}}
+"""Each length bucket's representative shape (``KernelKey.lengths`` -> device kind -> shape)."""
 
 DECISIONS_ANNOTATION = "tvm_flash.decisions"
 SUMMARY = "summary.json"
@@ -101,7 +105,7 @@ def variant_workload(key: KernelKey, variant: dict, shape: dict | None = None) -
 
 
 def _specialized(func, key: KernelKey, shape: dict | None) -> tvm.IRModule:
-    shape = shape or BUCKETS["any"]["cpu" if key.target == "llvm" else "gpu"]
+    shape = shape or BUCKETS[key.lengths]["cpu" if key.target == "llvm" else "gpu"]
     hq = shape["Hq"]
     dims = {"B": shape["B"], "Hq": hq, "H": hq, "Hkv": max(1, hq // key.group),
             "Lq": shape["L"], "Lk": shape["L"], "L": shape["L"]}
@@ -218,7 +222,7 @@ def tune(key: KernelKey, root: str | os.PathLike, trials: int, *, max_tiles: int
             raise TuningLogError(f"{key.name}: no candidate was measured successfully")
         _keep_log(directory, tmp, keep_top,
                   _workload_index(tmp / WORKLOAD_FILE, key, shape))
-    summary = {"key": key.name, "target": key.target, "bucket": "any",
+    summary = {"key": key.name, "target": key.target, "bucket": key.lengths,
                "best": {**decisions_of(best.trace), "run_us": _mean_secs(best.run_secs) * 1e6},
                "measured": len(records), "date": datetime.date.today().isoformat(),
                "device": _device_name(key.target),
@@ -351,7 +355,8 @@ def load_tuned(root: str | os.PathLike, key: KernelKey) -> dict | None:
     Refuses (:class:`TuningLogError`) a log that is corrupt, names another key or target, holds
     a record measured for another target kind or arch, was made by another TVM version, or
     picks a tile this target cannot hold (or a variant its kernel does not have). Returns
-    ``{"tile", "decisions", "digest"}``, for a hand-lowered kernel ``{"variant", "digest"}``.
+    ``{"tile", "decisions", "digest", "why"}``, for a hand-lowered kernel ``{"variant",
+    "digest", "why"}``; ``why`` says in words what the choice beat, from the summary.
     """
     directory = log_dir(root, key)
     summary_path = directory / SUMMARY
@@ -392,7 +397,25 @@ def load_tuned(root: str | os.PathLike, key: KernelKey) -> dict | None:
     elif TileConfig(*tuned["tile"]) not in schedules.for_target(kind).tiles(key):
         raise TuningLogError(f"{directory}: tile {tuned['tile']} does not fit {key.target}")
     digest = hashlib.sha256(summary_path.read_bytes() + records_text.encode()).hexdigest()
-    return {**tuned, "digest": digest[:16]}
+    return {**tuned, "digest": digest[:16], "why": _why(summary)}
+
+
+def _why(summary: dict) -> str:
+    """Why a log's choice was made, in words (``scripts/build.py`` prints it)."""
+    best, default = summary["best"].get("run_us"), summary.get("default_us")
+    of = (f"{summary['measured']} of {summary['variants']} variants" if "variants" in summary
+          else f"{summary.get('trials', '?')} candidates")
+    timing = f"{best:.0f} us" if best is not None else "time not recorded"
+    if best is not None and default not in (None, float("inf")):
+        timing += f" vs the default's {default:.0f} us"
+    return (f"fastest of {of} measured on {summary.get('device', '?')} "
+            f"({summary.get('date', '?')}, {_bucket_words(summary.get('bucket', 0))}): "
+            f"{timing}")
+
+
+def _bucket_words(bucket) -> str:
+    """A summary's length bucket in words (logs before buckets say ``any``)."""
+    return f"calls up to {bucket} long" if bucket not in (0, "any") else "every length"
 
 
 def build_candidate(mod: tvm.IRModule, target: tvm.target.Target, _params=None):
@@ -543,7 +566,7 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
         _keep_log(directory, tmp, keep_top,
                   [{"variant": found[shashes.index(json.loads(line)[0])],
                     "shash": json.loads(line)[0]} for line in lines if line.strip()])
-    summary = {"key": key.name, "target": key.target, "bucket": "any",
+    summary = {"key": key.name, "target": key.target, "bucket": key.lengths,
                "best": {"variant": found[best], "run_us": measured[best] * 1e6},
                "default_us": measured.get(0, float("inf")) * 1e6, "measured": len(measured),
                "variants": len(found),
