@@ -21,8 +21,8 @@ On CUDA if present, else on the CPU (``--device`` overrides); ``--tiny`` shrinks
     TVM_FLASH_JIT=1 python scripts/bench_overhead.py --out overhead.json          # H200
     TVM_FLASH_JIT=1 python scripts/bench_overhead.py --tiny --dtype fp32          # CPU
 
-``--profile`` then shows, per case, where ``tvm_flash.attention``'s time goes (torch.profiler:
-device kernels per call, host ops).
+``--profile`` then shows, per row and case, where the time goes (torch.profiler: device
+kernels per call, host ops).
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7, help="timed runs (median taken)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile", action="store_true",
-                   help="then profile tvm_flash.attention in each case (torch.profiler)")
+                   help="then profile each row in each case (torch.profiler)")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -179,9 +179,9 @@ def main(argv=None):
                                                      indent=1))
         print(f"wrote {args.out}")
     if args.profile:
-        impl, layout = IMPLS["tvm_flash.attention"]
-        for case, shape in shapes.items():
-            profile(case, shape, impl, layout, dtype, device)
+        for impl_name, (impl, layout) in IMPLS.items():
+            for case, shape in shapes.items():
+                profile(f"{impl_name}, {case}", shape, impl, layout, dtype, device)
 
 
 if __name__ == "__main__":

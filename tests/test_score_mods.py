@@ -6,6 +6,10 @@ argument gets. On CUDA float16/bfloat16 run the tensor-core kernels with them (H
 sm_90a where served, else ``mma.sync``), float32 the SIMT schedule.
 """
 
+import importlib.util
+import json
+import pathlib
+
 import pytest
 import torch
 from checks import check_against_reference, make_inputs
@@ -128,3 +132,41 @@ def test_bad_arguments_are_named(kwargs, error, match):
     q, k, v, _ = make_inputs(1, 2, 2, 8, 8, 64, torch.float32, "cpu")
     with pytest.raises(error, match=match):
         attention(q, k, v, **kwargs)
+
+
+def _bench_features():
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "bench_features.py"
+    spec = importlib.util.spec_from_file_location("bench_features", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("lq,lk,causal,window", [(7, 7, False, -1), (7, 7, True, -1),
+                                                  (5, 9, True, -1), (9, 5, True, -1),
+                                                  (12, 12, True, 3), (4, 10, True, 2)])
+def test_features_benchmark_counts_the_pairs_it_computes(lq, lk, causal, window):
+    """The FLOPs the features benchmark credits: exactly the (query, key) pairs flash-attn's
+    bottom-right causal mask and left window keep."""
+    i = torch.arange(lq)[:, None] + lk - lq
+    j = torch.arange(lk)[None, :]
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window >= 0:
+        keep &= j >= i - window
+    assert _bench_features().attended_pairs(lq, lk, causal, window) == int(keep.sum())
+
+
+def test_features_benchmark_runs_on_the_cpu(tmp_path):
+    """``scripts/bench_features.py --tiny`` (issue #21's speed comparisons) runs end to end
+    here: every case timed, its ratios and the targets in the JSON."""
+    out = tmp_path / "features.json"
+    assert _bench_features().main(["--device", "cpu", "--tiny", "--modes", "fwd",
+                                   "--rep-ms", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"] for r in rows] == ["varlen", "varlen", "window", "mods", "mods"]
+    assert sum(rows[0]["lengths"]) == 96 and len(rows[0]["lengths"]) == 4
+    assert {"varlen/dense", "window/full", "softcap/plain", "alibi/plain"} <= {
+        name for r in rows for name in r["ratios"]}
+    assert all(ms > 0 for r in rows for ms in r["ms"].values())
