@@ -51,6 +51,7 @@ from .common import (
     modified_score,
     neg_inf,
     num_key_tiles,
+    pin_element,
     pin_scalars,
     pin_sequence,
     plain,
@@ -342,13 +343,8 @@ def flash_dq_merge(head_dim: int, dtype: str):
                 T.reads(dQpart[:, vh, vi, vd])
                 T.writes(dQ[vb, vh, vi, vd])
                 red = T.sblock_alloc_buffer((1,), f32, scope="local")
-                # coordinates and split count once (as flash_forward_merge's)
                 c = T.sblock_alloc_buffer((5,), "int64", scope="local")
-                c[0] = vb
-                c[1] = vh
-                c[2] = vi
-                c[3] = vd
-                c[4] = BS // B
+                pin_element(c, vb, vh, vi, vd, BS // B)
                 red[0] = T.float32(0)
                 for so in T.serial(T.ceildiv(c[4], MERGE_BATCH)):  # in split order
                     for si in T.serial(MERGE_BATCH):

@@ -332,6 +332,18 @@ MERGE_BATCH = 4
 """Key splits a merge kernel's thread reads at once (``forward.flash_forward_merge``,
 ``backward.flash_dq_merge``): their loads overlap, the sums keep the split order."""
 
+
+@T.macro
+def pin_element(c, b, h, i, d, splits):
+    """``c[0:5]``: a merge thread's element (batch, head, row, column) and the number of
+    splits, computed once (see :func:`pin_scalars`: else their 64-bit divisions repeat in
+    every split iteration)."""
+    c[0] = b
+    c[1] = h
+    c[2] = i
+    c[3] = d
+    c[4] = splits
+
 ROW_ALIGN = 4
 """Elements every batch, head and row stride of a ``(B, H, L, D)`` input is a multiple of
 (where its dimension is not 1): ``tvm_flash.layout.kernel_view`` passes rows that start

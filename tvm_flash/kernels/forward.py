@@ -45,6 +45,7 @@ from .common import (
     modified_score,
     neg_inf,
     num_key_tiles,
+    pin_element,
     pin_scalars,
     pin_sequence,
     plain,
@@ -376,14 +377,8 @@ def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):
                 T.reads(Opart[:, vh, vi, vd], Mpart[:, vh, vi], Lpart[:, vh, vi], Sinks[vh])
                 T.writes(O[vb, vh, vi, vd], LSE[vb, vh, vi])
                 red = T.sblock_alloc_buffer((3,), f32, scope="local")
-                # the element's coordinates and the split count, computed once (see
-                # common.pin_scalars: else their 64-bit divisions repeat in every iteration)
                 c = T.sblock_alloc_buffer((5,), "int64", scope="local")
-                c[0] = vb
-                c[1] = vh
-                c[2] = vi
-                c[3] = vd
-                c[4] = BS // B
+                pin_element(c, vb, vh, vi, vd, BS // B)
                 red[0] = Sinks[c[1]] * T.float32(LOG2E) if sinks else neg_inf()
                 # the splits in batches of MERGE_BATCH (a constant loop the CUDA compiler
                 # unrolls): a batch's loads are independent and overlap, where a plain loop
