@@ -168,3 +168,32 @@ BAD = [
 def test_bad_packing_is_named(changes, error, match):
     with pytest.raises(error, match=match):
         varlen_attention(**{**_inputs(), **changes})
+
+
+def test_cu_seqlens_are_read_once_per_tensor_and_content(monkeypatch):
+    """A model hands every layer the same cu_seqlens: only the first call reads them on the
+    host (a GPU synchronisation); an in-place change, or a new tensor, is read and checked
+    again."""
+    from tvm_flash import ops
+
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t) or real(t))
+    args = _inputs()
+    cu_q = args["cu_seqlens_q"]
+    varlen_attention(**args)
+    assert len(reads) == 2  # cu_seqlens_q and cu_seqlens_k
+    varlen_attention(**args)
+    assert len(reads) == 2  # nothing read again
+    cu_q[1] = 9  # in place: the version moves, the bad content is seen
+    with pytest.raises(ValueError, match="^cu_seqlens_q: must not decrease"):
+        varlen_attention(**args)
+    fresh = {**args, "cu_seqlens_q": torch.tensor([0, 3, 8], dtype=torch.int32)}
+    varlen_attention(**fresh)
+    assert len(reads) == 4  # the new cu_seqlens_q; cu_seqlens_k is still known
+    with torch.inference_mode():  # no version counter: read every time
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+        for _ in range(2):
+            varlen_attention(**{**args, "cu_seqlens_q": cu})
+    assert len(reads) == 6
+    assert len(ops._cu_facts_seen) <= ops._CU_FACTS_KEPT

@@ -177,7 +177,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         ``out`` ``(total_q, Hq, D)``; with ``return_attn_probs`` ``(out, softmax_lse, None)``,
         ``softmax_lse`` ``(Hq, total_q)`` float32, ``-inf`` for a row that sees no key.
 
-    Validating the ``cu_seqlens`` reads them on the host (a synchronisation on a GPU).
+    Validating the ``cu_seqlens`` reads them on the host (a synchronisation on a GPU) once per
+    tensor: later calls with the same, unmodified tensor (every layer of a model) do not wait.
     """
     _refuse_unsupported(dropout_p)
     if block_table is not None:

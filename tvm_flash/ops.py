@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -496,12 +497,43 @@ def attention(q, k, v, *, is_causal: bool = False, scale: float | None = None,
 
 
 
+_CU_FACTS_KEPT = 8
+_cu_facts_seen: dict[int, tuple] = {}
+
+
+def _cu_facts(cu: torch.Tensor) -> tuple:
+    """``(first, last, (index, length) of the shortest sequence, longest length)`` of a
+    ``cu_seqlens`` tensor, read on the host — a synchronisation on a GPU — once per tensor and
+    content: a model hands every layer the same ``cu_seqlens`` object, so only its first
+    attention call waits. Kept for the last few tensors, each by identity (a weak reference:
+    a new tensor at a freed one's address is read anew) and version (any in-place write,
+    through any view, bumps it)."""
+    try:
+        version = cu._version
+    except RuntimeError:  # an inference-mode tensor keeps no version: read it every time
+        version = None
+    seen = _cu_facts_seen.get(id(cu))
+    if seen is not None and version is not None and seen[0]() is cu and seen[1] == version:
+        return seen[2]
+    host = cu.tolist()
+    lengths = [b - a for a, b in zip(host[:-1], host[1:], strict=True)]
+    shortest = min(enumerate(lengths), key=lambda p: p[1])
+    facts = (host[0], host[-1], shortest, max(lengths))
+    if version is None:
+        return facts
+    if len(_cu_facts_seen) >= _CU_FACTS_KEPT:
+        _cu_facts_seen.pop(next(iter(_cu_facts_seen)))
+    _cu_facts_seen[id(cu)] = (weakref.ref(cu), version, facts)
+    return facts
+
+
 def check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  names: dict | None = None) -> Packed:
     """Validate packed sequences: ``(total, H, D)`` q, k, v (their other facts are
     :func:`check_inputs`' on the ``(1, H, total, D)`` views) and the ``cu_seqlens``. Reads the
-    ``cu_seqlens`` on the host (a synchronisation on a GPU): a length past ``max_seqlen`` or
-    past the rows there are would make the kernels skip rows or read out of bounds."""
+    ``cu_seqlens`` on the host (a synchronisation on a GPU; once per tensor and content,
+    :func:`_cu_facts`): a length past ``max_seqlen`` or past the rows there are would make the
+    kernels skip rows or read out of bounds."""
     n = _NAMES if names is None else {**_NAMES, **names}
     for name, t in ((n["q"], q), (n["k"], k), (n["v"], v)):
         if not isinstance(t, torch.Tensor):
@@ -521,15 +553,14 @@ def check_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
                              f"{tuple(cu.shape)}")
         if cu.device != q.device:
             raise ValueError(f"{name}: device {cu.device} differs from q's {q.device}")
-        host = cu.tolist()
-        if host[0] != 0 or host[-1] != rows:
+        first, last, shortest, longest = _cu_facts(cu)
+        if first != 0 or last != rows:
             raise ValueError(f"{name}: must start at 0 and end at the {rows} rows given, got "
-                             f"{host[0]} ... {host[-1]}")
-        lengths = [b - a for a, b in zip(host[:-1], host[1:], strict=True)]
-        if min(lengths) < 0:
-            raise ValueError(f"{name}: must not decrease (sequence {lengths.index(min(lengths))}"
-                             f" has length {min(lengths)})")
-        cus[name] = (cu if cu.is_contiguous() else cu.contiguous(), max(lengths))
+                             f"{first} ... {last}")
+        if shortest[1] < 0:
+            raise ValueError(f"{name}: must not decrease (sequence {shortest[0]} has length "
+                             f"{shortest[1]})")
+        cus[name] = (cu if cu.is_contiguous() else cu.contiguous(), longest)
     if cu_seqlens_k.shape != cu_seqlens_q.shape:
         raise ValueError(f"cu_seqlens_k: shape {tuple(cu_seqlens_k.shape)} differs from "
                          f"cu_seqlens_q's {tuple(cu_seqlens_q.shape)} (one entry per sequence)")
@@ -601,7 +632,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
         ``out`` ``(total_q, Hq, D)``; with ``return_lse`` also ``lse`` ``(Hq, total_q)``
         float32 (flash-attn's varlen layout), ``-inf`` for a row that sees no key.
 
-    Validating the ``cu_seqlens`` reads them on the host (a synchronisation on a GPU). The
+    Validating the ``cu_seqlens`` reads them on the host (a synchronisation on a GPU) once
+    per tensor: later calls with the same, unmodified tensor (every layer of a model) do not
+    wait. The
     backward is deterministic, as :func:`attention`'s.
     """
     if causal_alignment not in CAUSAL_ALIGNMENTS:
