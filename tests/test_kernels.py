@@ -288,6 +288,23 @@ def test_bad_input_is_named(case, changes, exc, text):
         attention(q, k, v, **kwargs)
 
 
+def test_bad_input_is_named_after_good_calls_of_the_same_shapes():
+    """check_inputs passes the static facts it has seen pass without re-checking them: every
+    bad input above still gets its error after good calls with the same shapes (the scale and
+    the sinks are checked every time)."""
+    from tvm_flash import ops
+
+    good = torch.randn(1, 2, 5, 64)
+    attention(good, good, good)
+    attention(good, good, good, sinks=torch.zeros(2))
+    assert len(ops._checked) >= 1
+    for _, changes, exc, text in BAD_INPUTS:
+        kwargs = {"q": good, "k": good, "v": good, **changes}
+        q, k, v = kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v")
+        with pytest.raises(exc, match=re.escape(text)):
+            attention(q, k, v, **kwargs)
+
+
 @pytest.mark.parametrize("device", [d for d in DEVICES if d != "cpu"])
 @pytest.mark.parametrize("causal", ["none", "bottom-right"])
 @pytest.mark.parametrize("d,dtype", [(160, torch.float16), (256, torch.bfloat16)])
