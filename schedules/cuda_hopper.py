@@ -132,7 +132,7 @@ class HopperTile:
     turn, the loads of the next overlapping the end of this one. ``dq`` (dK/dV only): the 5-GEMM
     form, dQ added into a float32 accumulator; ``ordered`` (with ``dq``): each query tile's
     additions in key-tile order behind semaphores, the same bits on every run. Unordered
-    (additions as they arrive) measured 2-3% faster on the H200 (D 128, N 4096-16384), not
+    (additions as they arrive) measured 1-2% faster on the H200 (D 128, N 4096-16384), not
     worth a non-deterministic mode (docs/journal/2026-12-01-hopper.md)."""
 
     consumers: int = 2

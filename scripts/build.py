@@ -102,7 +102,7 @@ def tuned_choices(keys, logs: pathlib.Path) -> dict:
     a build of its own, which the runtime takes for calls that short)."""
     choices = {}
     for key in keys:
-        buckets = () if key.spec.row_wise or key.spec.short_query else LENGTH_BUCKETS
+        buckets = LENGTH_BUCKETS if key.spec.length_buckets else ()
         for candidate in (key, *(dataclasses.replace(key, lengths=b) for b in buckets)):
             try:
                 found = tuning.load_tuned(logs, candidate)

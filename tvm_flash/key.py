@@ -118,7 +118,7 @@ class KernelKey:
         if self.lengths not in (0, *LENGTH_BUCKETS):
             raise ValueError(f"lengths: {self.lengths!r} is not 0 (every length) or a length "
                              f"bucket of {LENGTH_BUCKETS}")
-        if self.lengths and (spec.row_wise or spec.short_query):
+        if self.lengths and not spec.length_buckets:
             raise ValueError(f"lengths: only the tiled forward, dQ and dK/dV kernels have "
                              f"length buckets, not {self.op!r}")
         if spec.row_wise and (self.causal, self.group) != ("none", 1):

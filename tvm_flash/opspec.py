@@ -52,6 +52,12 @@ class OpSpec:
     """Has a variable-length form (packed sequences, ``KernelKey.varlen``), which takes
     :data:`VARLEN_ARGS` last."""
 
+    @property
+    def length_buckets(self) -> bool:
+        """May have builds tuned for a length bucket (``KernelKey.lengths``): the tiled
+        path's kernels that walk tiles (forward, dQ, dK/dV)."""
+        return not self.row_wise and not self.short_query
+
     def args_of(self, mods: bool = False, varlen: bool = False) -> tuple[str, ...]:
         """The entry function's parameters of a kernel built with or without score modifiers
         and in its variable-length form or not."""

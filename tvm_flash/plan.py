@@ -94,7 +94,7 @@ def _bucketed(key: KernelKey, bucket: int) -> KernelKey:
     """``key``'s build tuned for ``bucket`` where an artifact directory has one (only
     ``scripts/build.py`` makes them, from a tuning log for that bucket), else ``key``: the
     same kernel with its default variant or its every-length log's."""
-    if not bucket or key.spec.row_wise or key.spec.short_query:
+    if not bucket or not key.spec.length_buckets:
         return key
     tuned = dataclasses.replace(key, lengths=bucket)
     return tuned if artifacts.has(tuned) else key

@@ -403,8 +403,9 @@ def load_tuned(root: str | os.PathLike, key: KernelKey) -> dict | None:
 def _why(summary: dict) -> str:
     """Why a log's choice was made, in words (``scripts/build.py`` prints it)."""
     best, default = summary["best"].get("run_us"), summary.get("default_us")
-    of = (f"{summary['measured']} of {summary['variants']} variants" if "variants" in summary
-          else f"{summary.get('trials', '?')} candidates")
+    measured = summary.get("measured", "?")
+    of = (f"{measured} of {summary['variants']} variants" if "variants" in summary
+          else f"{measured} candidates")
     timing = f"{best:.0f} us" if best is not None else "time not recorded"
     if best is not None and default not in (None, float("inf")):
         timing += f" vs the default's {default:.0f} us"
