@@ -17,6 +17,15 @@ projection hands them to attention.
     python scripts/bench.py --dtypes bf16 --head-dims 64,128 --seqlens 1024,4096 --causal both
     python scripts/bench.py --dtypes bf16 --head-dims 128 --seqlens 4096 --causal yes \
         --layouts bhld,blhd --backends tvm-flash,flash
+
+--artifacts NAME=DIR (repeatable) adds a backend ``tvm-flash:NAME``: tvm-flash with the kernels
+``scripts/build.py`` wrote to DIR and nothing built on first use, e.g. builds with and without
+the tuning logs side by side:
+
+    python scripts/build.py --target cuda:sm_90a --out /tmp/tuned --jobs 16
+    python scripts/build.py --target cuda:sm_90a --out /tmp/default --tuning-logs none
+    python scripts/bench.py --artifacts default=/tmp/default --artifacts tuned=/tmp/tuned \
+        --backends tvm-flash:default,tvm-flash:tuned,flash,cudnn
 """
 
 from __future__ import annotations
@@ -159,6 +168,8 @@ def main(argv=None):
                    help="comma list of bhld (contiguous), blhd ((B, L, H, D) viewed (B, H, L, D))")
     p.add_argument("--backends", default=",".join(BACKENDS),
                    help=f"comma list of {', '.join(BACKENDS)}")
+    p.add_argument("--artifacts", action="append", default=[], metavar="NAME=DIR",
+                   help="add backend tvm-flash:NAME running the kernels built into DIR")
     p.add_argument("--rep-ms", type=int, default=100, help="timing budget per measurement")
     p.add_argument("--out", default="bench-results", help="directory for results.json (+ png)")
     p.add_argument("--replot", metavar="RESULTS_JSON", help="only redraw the plot of a run")
@@ -174,9 +185,16 @@ def main(argv=None):
     for name in layouts:
         if name not in LAYOUTS:
             sys.exit(f"--layouts: unknown layout {name!r}; use {', '.join(LAYOUTS)}")
+    places = {}  # backend -> (artifact directory, JIT allowed); None: the environment's
+    for spec in args.artifacts:
+        label, sep, directory = spec.partition("=")
+        if not sep or not label or not pathlib.Path(directory, "manifest.json").exists():
+            sys.exit(f"--artifacts: {spec!r} is not NAME=DIR with DIR written by build.py")
+        places[f"tvm-flash:{label}"] = (directory, False)
+    known = {**BACKENDS, **dict.fromkeys(places, _ours)}
     for name in backends:
-        if name not in BACKENDS:
-            sys.exit(f"--backends: unknown backend {name!r}; use {', '.join(BACKENDS)}")
+        if name not in known:
+            sys.exit(f"--backends: unknown backend {name!r}; use {', '.join(known)}")
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  commit {_commit()}")
     print(f"FLOPs: {FLOP_FORMULA}")
     header = (f"{'dtype':5} {'D':>4} {'N':>6} {'B':>3} {'Hq':>3} {'Hkv':>3} {'layout':6} "
@@ -197,8 +215,11 @@ def main(argv=None):
                     for causal in causals:
                         res = {}
                         for name in backends:
+                            directory, jit = places.get(name, (None, None))
+                            tvm_flash.use_artifacts(directory)  # plans follow the switch
+                            tvm_flash.allow_jit(jit)
                             try:
-                                res[name] = _measure(BACKENDS[name], q, k, v, do, causal,
+                                res[name] = _measure(known[name], q, k, v, do, causal,
                                                      args.rep_ms)
                             except RuntimeError as e:  # backend refuses this shape
                                 res[name] = None
@@ -228,7 +249,8 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "commit": _commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "flop_formula": FLOP_FORMULA}
+            "flop_formula": FLOP_FORMULA,
+            "artifacts": {name: place[0] for name, place in places.items()}}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     _plot(rows, backends, out)
     print(f"wrote {out / 'results.json'}")

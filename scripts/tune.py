@@ -17,15 +17,23 @@ Logs go to ``tuning_logs/<target>/<kernel key>/`` and a rerun resumes from them;
     python scripts/tune.py --target metal --dry-run      # space generation + build, no GPU
     python scripts/tune.py --target cuda:sm_90a --kernels fwd --lengths 0,1024 --trials 12
         # a log for every length and one for calls up to 1024 long (their own build)
+    python scripts/tune.py --target cuda:sm_90a --dtypes bf16,fp16 --lengths 0,1024 \
+        --trials 8 --jobs 6   # six processes build at once; one times on the GPU at a time
+
+A kernel whose log already holds ``--trials`` measurements is skipped, so an interrupted run
+continues where it stopped.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import pathlib
 import re
+import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -72,6 +80,12 @@ def main(argv=None) -> int:
     p.add_argument("--logs", default=str(ROOT / "tuning_logs"), help="tuning log root")
     p.add_argument("--dry-run", action="store_true",
                    help="generate and build every design space; measure nothing")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="tuning processes (variant kernels): each tunes every N-th kernel, "
+                        "building in parallel with the others; timing on the device is "
+                        "serialized by a lock, so measurements never overlap")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "i/N,lockfile"
+    p.add_argument("--build-workers", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
         target = parse_target(args.target)
@@ -81,12 +95,27 @@ def main(argv=None) -> int:
                     _csv(args.dtypes), _csv(args.causal), _csv(args.gqa, int))]
     except (ValueError, KeyError) as err:
         p.error(str(err))
+    if args.jobs < 1:
+        p.error("--jobs must be at least 1")
+    if args.jobs > 1 and not args.dry_run:
+        factory = [k.name for k in keys if not schedules.lowers(target_kind(k.target), k)]
+        if factory:  # MetaSchedule's own search times inside tune(), outside our lock
+            p.error(f"--jobs tunes variant kernels only; {factory[0]} is searched by "
+                    "MetaSchedule's tuner, run it with --jobs 1")
+    if args.jobs > 1 and args.worker is None:
+        return _spawn(argv if argv is not None else sys.argv[1:], args.jobs)
+    lock, prefix = None, ""
+    if args.worker is not None:
+        share, lock = args.worker.split(",", 1)
+        index, count = map(int, share.split("/"))
+        keys = keys[index::count]
+        prefix = f"[worker {index}] "
     start = time.time()
     for i, key in enumerate(keys, 1):
         if args.time_budget is not None and time.time() - start > args.time_budget:
             print(f"time budget spent: {len(keys) - i + 1} kernels not tuned")
             break
-        print(f"[{i}/{len(keys)}] {key.name}", flush=True)
+        print(f"{prefix}[{i}/{len(keys)}] {key.name}", flush=True)
         kind = target_kind(key.target)
         lowered = schedules.lowers(kind, key)
         if lowered and not schedules.variants(kind, key):
@@ -96,11 +125,31 @@ def main(argv=None) -> int:
         if args.dry_run:
             tuning.dry_run(key)
         elif lowered:  # its variants as workloads, xgboost choosing which to measure
-            tuning.tune_variants(key, args.logs, args.trials, keep_top=args.keep_top)
+            tuning.tune_variants(key, args.logs, args.trials, keep_top=args.keep_top,
+                                 measure_lock=lock, build_workers=args.build_workers,
+                                 log=lambda line: print(prefix + line, flush=True))
         else:
             tuning.tune(key, args.logs, args.trials, max_tiles=args.max_tiles,
                         keep_top=args.keep_top)
-    print(f"done in {time.time() - start:.0f}s")
+    print(f"{prefix}done in {time.time() - start:.0f}s")
+    return 0
+
+
+def _spawn(argv: list[str], jobs: int) -> int:
+    """Run ``jobs`` tuning processes over the kernels (every ``jobs``-th each), sharing one
+    lock file for the device, their builder processes splitting the CPUs."""
+    builders = max(1, (os.cpu_count() or 1) // jobs)
+    with tempfile.TemporaryDirectory() as tmp:
+        lock = os.path.join(tmp, "device.lock")
+        procs = [subprocess.Popen([sys.executable, __file__, *argv,
+                                   "--worker", f"{i}/{jobs},{lock}",
+                                   "--build-workers", str(builders)])
+                 for i in range(jobs)]
+        codes = [proc.wait() for proc in procs]
+    failed = [i for i, code in enumerate(codes) if code]
+    if failed:
+        print(f"tuning workers {failed} failed (exit codes {[codes[i] for i in failed]})")
+        return 1
     return 0
 
 

@@ -21,11 +21,12 @@ KEY = KernelKey("fwd", 64, "float32", "top-left", 1, "llvm")
 SHAPE = {"B": 1, "Hq": 2, "L": 96}
 
 
-def _tune_dry_run(target: str, kernels: str, head_dims: str, dtypes: str, causal: str):
+def _tune_dry_run(target: str, kernels: str, head_dims: str, dtypes: str, causal: str,
+                  *more: str):
     """``scripts/tune.py --dry-run`` for these kernels; it must succeed."""
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target", target,
                           "--kernels", kernels, "--head-dims", head_dims, "--dtypes", dtypes,
-                          "--causal", causal, "--dry-run"], capture_output=True, text=True)
+                          "--causal", causal, "--dry-run", *more], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     return res
 
@@ -274,8 +275,19 @@ HOPPER = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")  # 7 varian
 def test_hopper_variants_dry_run():
     """The Hopper kernels are tuned over their variants (tiles); on a machine without the GPU
     every variant's workload is built as the tuner would build it."""
-    res = _tune_dry_run("cuda:sm_90a", "dkv", "128", "bf16", "none")
-    assert f"{len(tvm_flash.build.schedules.variants('cuda', HOPPER))} variants built" in res.stdout
+    res = _tune_dry_run("cuda:sm_90a", "dkv", "128", "bf16", "none,top-left", "--jobs", "2")
+    built = f"{len(tvm_flash.build.schedules.variants('cuda', HOPPER))} variants built"
+    assert built in res.stdout and res.stdout.count("variants built") == 2  # one key each
+    assert "[worker 0]" in res.stdout and "[worker 1]" in res.stdout
+
+
+def test_parallel_tuning_refuses_factory_kernels():
+    """`tune.py --jobs` serializes the timing of variant kernels; MetaSchedule's own search
+    (the factory kernels) times on its own, so it is refused rather than measured in parallel."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target", "llvm",
+                          "--kernels", "fwd", "--head-dims", "64", "--jobs", "2"],
+                         capture_output=True, text=True)
+    assert res.returncode != 0 and "--jobs tunes variant kernels only" in res.stderr
 
 
 def test_variant_tuning_loop(tmp_path, monkeypatch):
@@ -309,8 +321,11 @@ def test_variant_tuning_loop(tmp_path, monkeypatch):
             return ms.runner.RunnerResult([tvm_flash.tuning.tvm.runtime.convert(self.secs)],
                                           None)
 
+    timed = []
+
     class Runner:
         def run(self, inputs):
+            timed.extend(int(i.artifact_path) for i in inputs)
             return [Future(time_of[int(i.artifact_path)]) for i in inputs]
 
     workloads = {}
@@ -323,15 +338,20 @@ def test_variant_tuning_loop(tmp_path, monkeypatch):
             tuning.variant_workload(HOPPER, v))] = v
     monkeypatch.setattr(ms.builder, "LocalBuilder", Builder)
     monkeypatch.setattr(ms.runner, "LocalRunner", Runner)
+    # one batch (timing under the lock `tune.py --jobs` shares), then resumed to the end
+    first = tuning.tune_variants(HOPPER, tmp_path, trials=3, batch=3,
+                                 measure_lock=tmp_path / "device.lock")
+    assert first["measured"] == 3 and len(timed) == 3 and timed[0] == 0  # the default first
     summary = tuning.tune_variants(HOPPER, tmp_path, trials=len(found), batch=3)
     assert summary["measured"] == len(found) and summary["variants"] == len(found)
+    assert sorted(timed) == list(range(len(found)))  # each variant timed once
     assert summary["best"]["variant"] == found[fastest]
     directory = tuning.log_dir(tmp_path, HOPPER)
     records = (directory / "database_tuning_record.json").read_text().splitlines()
     assert records and len(records) <= 2 * len(found)
-    # resume: nothing left to measure within the same budget
+    # a complete log is kept as it is: nothing built or timed again
     again = tuning.tune_variants(HOPPER, tmp_path, trials=len(found), batch=3)
-    assert again["best"] == summary["best"]
+    assert again["best"] == summary["best"] and len(timed) == len(found)
     tuned = tuning.load_tuned(tmp_path, HOPPER)
     assert tuned["variant"] == found[fastest]
     chosen = schedules.lowered("cuda", HOPPER, found[fastest])

@@ -470,7 +470,8 @@ def _spearman(xs: list, ys: list) -> float | None:
 
 def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_top: int = 2,
                   shape: dict | None = None, seed: int = 0, batch: int = 4,
-                  log=print) -> dict:
+                  measure_lock: str | os.PathLike | None = None,
+                  build_workers: int | None = None, log=print) -> dict:
     """Tune a hand-lowered kernel over its variants (``schedules.variants``) on this machine,
     resuming from its log under ``root``; write the log and return its summary.
 
@@ -481,6 +482,11 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
     is trained on every measurement so far and the next batch is the unmeasured variants it
     ranks fastest. ``summary["ranking"]``: the Spearman correlation between the model's scores
     for the variants it chose (scored before they ran) and their measured speed.
+
+    A log that already holds ``trials`` measurements (or every variant) is returned as it is.
+    ``measure_lock``: a file that several tuning processes lock while they time candidates
+    (``scripts/tune.py --jobs``): they build in parallel, and only one measures on the device
+    at a time. ``build_workers``: the builder's processes (default: one per CPU).
     """
     import random
 
@@ -491,6 +497,10 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
     found = schedules.variants(kind, key)
     target = tuning_target(key.target)
     directory = log_dir(root, key)
+    done = _finished(directory, key, min(trials, len(found)))
+    if done is not None:
+        log(f"{key.name}: already tuned ({done['measured']} measured), kept")
+        return done
     directory.mkdir(parents=True, exist_ok=True)
     mods = [variant_workload(key, v, shape) for v in found]
     shashes = [ms.database.Workload(m).as_json()[0] for m in mods]
@@ -520,7 +530,8 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
             model.update(context, [candidate(i) for i in done], results)
 
         rng = random.Random(seed)
-        builder = ms.builder.LocalBuilder(f_build=_build_function(key))
+        builder = ms.builder.LocalBuilder(f_build=_build_function(key),
+                                          max_workers=build_workers)
         runner = ms.runner.LocalRunner()
         predicted = {}  # variant index -> the model's score when it chose it
         budget = min(trials, len(found))
@@ -546,8 +557,9 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
                     continue
                 inputs.append(ms.runner.RunnerInput(b.artifact_path, kind, args[i]))
                 ok.append(i)
-            for i, fut in zip(ok, runner.run(inputs), strict=True):
-                res = fut.result()
+            with _exclusive(measure_lock):  # one process times on the device at a time
+                results = [fut.result() for fut in runner.run(inputs)]
+            for i, res in zip(ok, results, strict=True):
                 run = [float(x) for x in (res.run_secs or [])]
                 secs[i] = _mean_secs(run) if not res.error_msg else float("inf")
                 if res.error_msg:
@@ -579,6 +591,35 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
         f"{summary['default_us']:.0f}) of {len(measured)} measured; xgboost ranking "
         f"{ranking}")
     return summary
+
+
+def _finished(directory: pathlib.Path, key: KernelKey, wanted: int) -> dict | None:
+    """The summary of a complete variant log for ``key`` (``wanted`` measurements), else
+    None."""
+    try:
+        summary = json.loads((directory / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    if summary.get("key") != key.name or summary.get("measured", 0) < wanted \
+            or not (directory / RECORDS).exists():
+        return None
+    return summary
+
+
+@contextlib.contextmanager
+def _exclusive(path: str | os.PathLike | None):
+    """Hold an exclusive lock on the file ``path`` (nothing if None)."""
+    if path is None:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _regenerate_variants(directory: pathlib.Path, key: KernelKey, shape: dict | None) -> str:
