@@ -42,6 +42,12 @@ def variants(kind: str, key) -> list[dict]:
     return hook(key) if hook else []
 
 
+def variant(kind: str, key, fields: dict) -> dict:
+    """A tuning log's variant ``fields`` completed with the defaults of fields added since (so
+    it compares equal to one of :func:`variants`)."""
+    return for_target(kind).variant(key, fields)
+
+
 def pipeline(kind: str, key) -> str:
     """TVM's lowering pipeline for ``key``'s kernel on a target kind: the schedule's choice
     (the Hopper kernels need ``tirx``), else ``default``."""

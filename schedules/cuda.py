@@ -36,6 +36,13 @@ class CudaSchedule(gpu.GpuSchedule):
             return None
         return cuda_mma.kernel(key, cuda_mma.MmaTile(**variant) if variant else None)
 
+    def variant(self, key: KernelKey, fields: dict) -> dict:
+        """A variant's fields as :meth:`variants` lists them today: fields a tile gained after
+        a tuning log was written take their defaults (the kernel the log measured)."""
+        if cuda_hopper.supports(key):
+            return dataclasses.asdict(cuda_hopper.HopperTile(**fields))
+        return dataclasses.asdict(cuda_mma.MmaTile(**fields))
+
     def variants(self, key: KernelKey) -> list[dict]:
         """The variants of a hand-lowered kernel a tuner may measure (the default first), as
         the fields of their tiles (``cuda_hopper.variants``, ``cuda_mma.variants``)."""

@@ -133,7 +133,10 @@ class HopperTile:
     form, dQ added into a float32 accumulator; ``ordered`` (with ``dq``): each query tile's
     additions in key-tile order behind semaphores, the same bits on every run. Unordered
     (additions as they arrive) measured 1-2% faster on the H200 (D 128, N 4096-16384), not
-    worth a non-deterministic mode (docs/journal/2026-12-01-hopper.md)."""
+    worth a non-deterministic mode (docs/journal/2026-12-01-hopper.md). ``fast_tanh`` (keys
+    with a soft cap): the hardware's approximate tanh (``kernels.common.Mods.fast_tanh``); not
+    a tuning variant (it changes the results), to be taken only where it measures within the
+    error bounds and faster (docs/journal/2026-12-01-features.md)."""
 
     consumers: int = 2
     step: int = 128
@@ -142,6 +145,7 @@ class HopperTile:
     persistent: bool = False
     dq: bool = False
     ordered: bool = True
+    fast_tanh: bool = False
 
     @property
     def rows(self) -> int:
@@ -475,7 +479,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     ping-pong (the two consumers taking turns to issue their GEMMs on named barriers) was
     measured on top of this and dropped: 0-3% slower at D 64-256 (the journal)."""
     D, dtype, causal, sinks, group = key.head_dim, key.dtype, key.causal, key.sinks, key.group
-    mods = Mods(key.window, key.softcap, key.alibi)
+    mods = Mods(key.window, key.softcap, key.alibi, tile.fast_tanh)
     rescored = mods.softcap or mods.alibi  # scores rewritten in base 2 before the softmax
     varlen = key.varlen  # packed sequences (``tvm_flash.kernels.forward.flash_forward``)
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
@@ -820,6 +824,8 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
                          "modifier")
     if not chosen.ordered and not chosen.dq:
         raise ValueError(f"{key.name}: tile {chosen}: only the fused dQ has an order to drop")
+    if chosen.fast_tanh and not key.softcap:
+        raise ValueError(f"{key.name}: tile {chosen}: fast_tanh is for keys with a soft cap")
     if chosen.smem_bytes(key.head_dim, key.op) > SMEM_LIMIT:
         raise ValueError(f"{key.name}: tile {chosen} needs "
                          f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "
@@ -854,7 +860,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     mbarrier lets the producer load the next Q and dO tiles once both consumers' last S and
     dP completed."""
     D, dtype, causal = key.head_dim, key.dtype, key.causal
-    mods = Mods(key.window, key.softcap, key.alibi)
+    mods = Mods(key.window, key.softcap, key.alibi, tile.fast_tanh)
     varlen = key.varlen  # packed sequences, as the forward's
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
@@ -1179,7 +1185,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     for P^T, and accumulates dK += dS^T Q. Four GEMMs a step as before, two per warpgroup, each
     thread holding D / 2 registers of sums."""
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
-    mods = Mods(key.window, key.softcap, key.alibi)  # the plain tile only (MODS_WRITTEN)
+    # the plain tile only (MODS_WRITTEN)
+    mods = Mods(key.window, key.softcap, key.alibi, tile.fast_tanh)
     varlen = key.varlen  # packed sequences: the plain tile only (VARLEN_WRITTEN)
     BN, BQ, ST, NC, SPLIT = tile.rows, tile.step, tile.stages, tile.consumers, tile.split
     NT = tile.threads

@@ -56,7 +56,7 @@ def _blocks_of(key: KernelKey) -> str:
 _PRODUCERS = {
     "fwd": {"Qs": "Q_load", "Ks": "K_load", "Vs": "V_load", "S": "S_gemm", "P": "P",
             "PV": "O_gemm", "acc": "acc_init", "m": "stats_init", "lsum": "stats_init",
-            "m_new": "row_max", "l_new": "row_sum", "alpha": "rescale"},
+            "m_new": "row_max", "l_new": "row_sum", "alpha": "rescale", "lnorm": "row_norm"},
     "dq": {"Qs": "Q_load", "dOs": "dO_load", "Ks": "K_load", "Vs": "V_load", "S": "S_gemm",
            "dP": "dP_gemm", "dS": "dS", "dQp": "dQ_gemm", "lse_s": "row_load",
            "delta_s": "row_load", "acc": "acc_init"},
@@ -68,7 +68,8 @@ _PRODUCERS = {
 # blocks of each kernel by how they are mapped to threads
 _TILE_LOADS = ("Q_load", "K_load", "V_load", "dO_load")
 _ELEMENTWISE = (*_TILE_LOADS, "row_load", "stats_init", "P",
-                "rescale", "stats_update", "lsum_update", "dS", "lse_store", "stats_store")
+                "rescale", "stats_update", "lsum_update", "dS", "lse_store", "stats_store",
+                "row_norm")
 _ROW_REDUCTIONS = ("row_max", "row_sum")
 _SHARED_GEMMS = ("S_gemm", "dP_gemm", "St_gemm", "dPt_gemm")
 # GEMMs whose product only feeds a running sum (SIMT: in registers, mapped like the sum)
@@ -253,8 +254,8 @@ def schedule(sch: s_tir.Schedule, key: KernelKey, tile: TileConfig, params: GpuP
 
     producers = _PRODUCERS[_blocks_of(key)]
     pad_rows(sch, producers, [b for b in _PADDED if b in producers], PAD)
-    scopes = {b: params.smem_scope for b in producers}
-    scopes.update({b: "local" for b in _REGISTERS + _PARTS if b in producers})
+    scopes = {b: params.smem_scope for b, block in producers.items() if has_block(sch, block)}
+    scopes.update({b: "local" for b in _REGISTERS + _PARTS if b in scopes})
     set_scopes(sch, scopes, producers)
 
     block_loop = sch.fuse(*sch.get_loops(sch.get_sblock("tile")))

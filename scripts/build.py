@@ -98,8 +98,13 @@ def _build_one(key: KernelKey, out: pathlib.Path, tuned):
 
 def tuned_choices(keys, logs: pathlib.Path) -> dict:
     """The tuning-log choice for every key that has a log (refusing bad logs up front), and
-    for each tiled kernel's length buckets that have one (``tvm_flash.key.LENGTH_BUCKETS``:
-    a build of its own, which the runtime takes for calls that short)."""
+    for each tiled kernel's length buckets (``tvm_flash.key.LENGTH_BUCKETS``: a build of its
+    own, which the runtime takes for calls that short): the bucket's log where it has one;
+    where only the every-length log exists, ``None`` — the default variant. A log speaks for
+    the lengths it was measured at (``tuning.BUCKETS``: N 4096 for every length), and on the
+    H200 variants chosen there ran 13-25% slower at N 512-1024 than the default
+    (docs/journal/2026-12-01-tuning.md), so short calls keep the default until a log for
+    their bucket says otherwise."""
     choices = {}
     for key in keys:
         buckets = LENGTH_BUCKETS if key.spec.length_buckets else ()
@@ -108,7 +113,7 @@ def tuned_choices(keys, logs: pathlib.Path) -> dict:
                 found = tuning.load_tuned(logs, candidate)
             except tuning.TuningLogError as err:
                 sys.exit(f"error: {err}")
-            if found is not None:
+            if found is not None or (candidate.lengths and key in choices):
                 choices[candidate] = found
     return choices
 
@@ -116,6 +121,10 @@ def tuned_choices(keys, logs: pathlib.Path) -> dict:
 def _how(key, tuned: dict | None) -> str:
     """Which variant or tile a kernel was built with, and why."""
     lowered = schedules.lowers(target_kind(key.target), key)
+    if tuned is None and key.lengths:
+        return (f"the default {'variant' if lowered else 'tile'} for calls up to "
+                f"{key.lengths} long: the kernel's log was measured at longer ones and this "
+                "bucket has none")
     if tuned is None:
         return ("hand-written kernel, its default variant: no tuning log" if lowered
                 else "the schedule's default tile: no tuning log")
@@ -174,10 +183,13 @@ def main(argv=None) -> int:
     tuned = tuned_choices(keys, logs) if logs else {}
     buckets = [k for k in tuned if k.lengths]  # length buckets' own builds
     keys += buckets
+    logged = [k for k, found in tuned.items() if found is not None]
+    short = sum(1 for k in logged if k.lengths)
     out = pathlib.Path(args.out) if args.out else artifacts.default_artifact_dir(target)
-    print(f"building {len(keys)} kernels for {target} into {out} ({len(tuned)} from tuning "
-          f"logs, {len(buckets)} of them for a length bucket; {len(keys) - len(tuned)} with "
-          "the default schedule: no matching log)", flush=True)
+    print(f"building {len(keys)} kernels for {target} into {out} ({len(logged)} from tuning "
+          f"logs, {short} of them for a length bucket; {len(keys) - len(logged)} with the "
+          f"default schedule, {len(buckets) - short} of those for a length bucket whose "
+          "kernel has only an every-length log)", flush=True)
     entries, failures, start = [], [], time.time()
     # spawned, not forked: a worker forked from a process that touched the CUDA runtime
     # (a GPU machine) fails with an initialization error

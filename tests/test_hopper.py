@@ -4,6 +4,7 @@ and never serialises its wgmma. The maths runs on the H200 (the `gpu` suite pick
 on an sm_90 device, see ``tvm_flash.target.cuda_tag``; scripts/sweep_hopper.py checks each
 kernel alone against float64)."""
 
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -234,3 +235,25 @@ def test_score_modifiers_served_where_checked():
                 KernelKey("dq", 32, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)):
         assert not hopper.supports(key) and mma.supports(key), key.name
         assert schedules.lowers("cuda", key), key.name
+
+
+@pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
+def test_fast_tanh_variant_takes_the_hardware_tanh(op):
+    """``HopperTile(fast_tanh=True)`` (a soft cap's variant, measured before it is served:
+    docs/journal/2026-12-01-features.md) computes the cap's tanh with ``tanhf`` — one
+    ``tanh.approx.f32`` under nvcc's fast math — instead of the accurate form's exp2 and
+    division; the default keeps the accurate form, and keys without a soft cap refuse it."""
+    key = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a", softcap=True)
+    default = hopper.tile(key)
+    assert not default.fast_tanh
+    fast = hopper.kernel(key, dataclasses.replace(default, fast_tanh=True))
+    with tvm.transform.PassContext(config=pass_config("cuda")):
+        built = tvm.tirx.build(tvm.IRModule({"main": fast}), target=make_target(key.target),
+                               pipeline="tirx")
+    src, accurate = device_source(built), _source(key)
+    calls = len(re.findall(r"\btanhf\(", src))
+    assert calls >= 16 and len(re.findall(r"\btanhf\(", accurate)) == 0
+    assert src.count("exp2f(") < accurate.count("exp2f(")
+    plain = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a")
+    with pytest.raises(ValueError, match="fast_tanh is for keys with a soft cap"):
+        hopper.kernel(plain, dataclasses.replace(hopper.tile(plain), fast_tanh=True))

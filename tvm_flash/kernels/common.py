@@ -137,6 +137,11 @@ class Mods:
     window: bool = False
     softcap: bool = False
     alibi: bool = False
+    fast_tanh: bool = False
+    """The soft cap's tanh as the hardware's approximation (``tanh.approx.f32``, relative error
+    ~2^-11) instead of :func:`tanh`'s accurate form (three special-function operations a
+    score): a variant of the Hopper kernels (``HopperTile.fast_tanh``), which serve only 16-bit
+    inputs, where that error is at or below the input precision."""
 
     def __bool__(self) -> bool:
         return self.window or self.softcap or self.alibi
@@ -179,14 +184,17 @@ def visible(causal: str, row, col, lq, lk, end=None, mods: Mods = NO_MODS, ma=No
     return conds[0] if len(conds) == 1 else tirx.all(*conds)
 
 
-def tanh(x):
-    """``tanh(x)`` as ``1 - 2 / (exp(2 x) + 1)``, float32-accurate on every target.
+def tanh(x, approx: bool = False):
+    """``tanh(x)`` as ``1 - 2 / (exp(2 x) + 1)``, float32-accurate on every target
+    (``approx``: ``T.tanh``, the ``tanh.approx.f32`` instruction on CUDA, see ``Mods``).
 
     Not ``T.tanh``: TVM compiles CUDA with ``--use_fast_math``, which turns ``tanhf`` into the
     ``tanh.approx.f32`` instruction (relative error about 2^-11); on the H200 float32 soft-capped
     outputs and gradients were then 1.2-2.5x the error bound of the float32 reference. ``exp2``
     and the division stay within a few ulp under fast math; the form saturates to +-1 (an
     infinite exponential gives 1, a zero one -1) and keeps a NaN."""
+    if approx:
+        return T.tanh(x)
     return T.float32(1) - T.float32(2) / (T.exp2(x * T.float32(2 * LOG2E)) + T.float32(1))
 
 
@@ -195,7 +203,7 @@ def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk
     bias (:data:`tvm_flash.key.MODS`); ``h``: the query head (its slope)."""
     t = s * scale
     if mods.softcap:
-        t = tanh(s * (scale / ma.cap)) * ma.cap
+        t = tanh(s * (scale / ma.cap), mods.fast_tanh) * ma.cap
     if mods.alibi:
         distance = T.cast(row + diagonal(causal, lq, lk) - col, "float32")
         t = t - ma.slopes[b, h] * T.fabs(distance)
@@ -207,7 +215,7 @@ def softcap_slope(s, scale, mods: Mods, ma):
     under a soft cap (1 without one, returned as None)."""
     if not mods.softcap:
         return None
-    t = tanh(s * (scale / ma.cap))
+    t = tanh(s * (scale / ma.cap), mods.fast_tanh)
     return T.float32(1) - t * t
 
 

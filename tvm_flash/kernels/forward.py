@@ -243,6 +243,7 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
                 acc = T.sblock_alloc_buffer((BQ, D), f32)
                 m = T.sblock_alloc_buffer((BQ,), f32)
                 lsum = T.sblock_alloc_buffer((BQ,), f32)
+                lnorm = T.sblock_alloc_buffer((BQ,), f32)
                 if varlen:  # the sequence: its first q row, length, first k row, length
                     sq = T.sblock_alloc_buffer((4,), "int64", scope="local")
                     pin_seq("sequence", sq, CuQ, CuK, vb)
@@ -259,12 +260,23 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
                        sq[0] if varlen else None, sq[2] if varlen else None,
                        vb if varlen else c[0])
 
+                # O_store's threads read the row sums of other threads (the SIMT schedule
+                # keeps them in shared memory, a thread per row). When the key loop runs no
+                # step (no key visible to the tile: bottom-right causal with Lq > Lk, a
+                # window, a tile past its sequence's end) nothing separates those reads from
+                # stats_init's writes: TVM's barrier planner assumes a loop with a barrier
+                # runs, and compute-sanitizer's racecheck found the race. Each row's own
+                # thread copying its sum gives the planner a write it must order first.
+                for i in T.serial(BQ):
+                    with T.sblock("row_norm"):
+                        vi = T.axis.remap("S", [i])
+                        lnorm[vi] = lsum[vi]
                 for i, d in T.grid(BQ, D):
                     with T.sblock("O_store"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         if c[3] + vi < lq:
                             O[c[0], c[1], at(sq[0] if varlen else None, c[3] + vi), vd] = T.cast(
-                                _normalised(acc[vi, vd], lsum[vi]), dtype)
+                                _normalised(acc[vi, vd], lnorm[vi]), dtype)
                 for i in T.serial(BQ):
                     with T.sblock("lse_store"):
                         vi = T.axis.remap("S", [i])
