@@ -91,7 +91,8 @@ def _footprint(op: str, d: int, esize: int, bq: int, bk: int) -> tuple[int, int]
     # score-shaped tiles: float32 S (dP) and P (dS) in the input dtype
     smem += {"fwd": bq * (bk + PAD) * (4 + esize), "dq": bq * (bk + PAD) * (8 + esize),
              "dkv": bk * (bq + PAD) * (8 + 2 * esize)}[op]
-    smem += 5 * bq * 4
+    # row statistics, float32 (the forward's m, l, m_new, l_new, alpha and its row_norm copy)
+    smem += (6 if op == "fwd" else 5) * bq * 4
     # running sums plus the product of the GEMM that feeds them, both in registers
     acc = {"fwd": 2 * bq * d, "dq": 2 * bq * d, "dkv": 3 * bk * d}[op] // THREADS
     return smem, acc

@@ -294,6 +294,25 @@ def test_parallel_tuning_refuses_factory_kernels():
     assert res.returncode != 0 and "--jobs tunes variant kernels only" in res.stderr
 
 
+def test_variant_workload_is_the_deployed_kernel():
+    """The tuner times a variant as it is built for use — shapes taken at run time, only the
+    softmax scale fixed (the runner passes no scalar) — at the bucket's shape."""
+    from tvm import tirx
+
+    from tvm_flash.build import schedules
+
+    variant = schedules.variants("cuda", HOPPER)[0]  # the default
+    workload = tuning.variant_workload(HOPPER, variant)["main"]
+    deployed = scheduled_module(HOPPER)["main"]
+    scale = deployed.params[-1]
+    fixed = deployed.specialize({scale: tirx.const(1.0 / HOPPER.head_dim**0.5, "float32")})
+    assert workload.script() == fixed.with_attr("global_symbol", "main").script()
+    assert any(isinstance(d, tirx.Var) for d in workload.params[0].shape)
+    args = tuning.variant_args(HOPPER, tuning.variant_workload(HOPPER, variant))
+    shape = tuning.BUCKETS[0]["gpu"]
+    assert [int(x) for x in args[0].shape] == [shape["B"], shape["Hq"], shape["L"], 128]
+
+
 def test_variant_tuning_loop(tmp_path, monkeypatch):
     """The variant tuner's loop — first batch the default and a seeded draw, then the variants
     the xgboost model ranks fastest, records in MetaSchedule's database, resume, summary, and

@@ -99,17 +99,41 @@ def workload(key: KernelKey, tile: TileConfig, shape: dict | None = None) -> tvm
     return _specialized(FACTORIES[key.op](key, tile), key, shape)
 
 
-def variant_workload(key: KernelKey, variant: dict, shape: dict | None = None) -> tvm.IRModule:
-    """A hand-lowered kernel's variant (``schedules.variants``), shapes and scale fixed as
-    :func:`workload`'s."""
-    return _specialized(schedules.lowered(target_kind(key.target), key, variant), key, shape)
+def variant_workload(key: KernelKey, variant: dict) -> tvm.IRModule:
+    """A hand-lowered kernel's variant (``schedules.variants``) as it is deployed: batch,
+    heads and lengths taken at run time (the timing's shape is in :func:`variant_args`), only
+    the softmax scale fixed (MetaSchedule's runner passes no scalar). Timing the kernel with
+    its shapes folded in instead (:func:`workload`'s way) chose variants that ran slower as
+    built (docs/journal/2026-12-01-tuning.md, eighth session): a persistent grid's loop
+    bounds, among others, become constants there."""
+    func = schedules.lowered(target_kind(key.target), key, variant)
+    scale = [p for p in func.params if not hasattr(p, "shape")]
+    func = func.specialize({p: tirx.const(1.0 / key.head_dim**0.5, "float32") for p in scale})
+    return tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+
+
+def variant_args(key: KernelKey, mod: tvm.IRModule, shape: dict | None = None) -> list:
+    """The arguments the runner allocates for a :func:`variant_workload`: its buffers at the
+    length bucket's representative shape (``shape`` overrides it)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    dims = _dims(key, shape)
+    return [ms.arg_info.TensorInfo(str(p.dtype), [dims[d.name] if isinstance(d, tirx.Var)
+                                                 else int(d) for d in p.shape])
+            for p in mod["main"].params]
+
+
+def _dims(key: KernelKey, shape: dict | None) -> dict:
+    """Batch, heads and lengths of ``key``'s bucket's representative shape, by the names the
+    kernels give them."""
+    shape = shape or BUCKETS[key.lengths]["cpu" if key.target == "llvm" else "gpu"]
+    hq = shape["Hq"]
+    return {"B": shape["B"], "Hq": hq, "H": hq, "Hkv": max(1, hq // key.group),
+            "Lq": shape["L"], "Lk": shape["L"], "L": shape["L"]}
 
 
 def _specialized(func, key: KernelKey, shape: dict | None) -> tvm.IRModule:
-    shape = shape or BUCKETS[key.lengths]["cpu" if key.target == "llvm" else "gpu"]
-    hq = shape["Hq"]
-    dims = {"B": shape["B"], "Hq": hq, "H": hq, "Hkv": max(1, hq // key.group),
-            "Lq": shape["L"], "Lk": shape["L"], "L": shape["L"]}
+    dims = _dims(key, shape)
     fixed = {}
     for param in func.params:
         try:
@@ -512,10 +536,10 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
         log(f"{key.name}: already tuned ({done['measured']} measured), kept")
         return done
     directory.mkdir(parents=True, exist_ok=True)
-    mods = [variant_workload(key, v, shape) for v in found]
+    mods = [variant_workload(key, v) for v in found]
     shashes = [ms.database.Workload(m).as_json()[0] for m in mods]
     with _work_database(directory,
-                        lambda: _regenerate_variants(directory, key, shape)) as (database, tmp):
+                        lambda: _regenerate_variants(directory, key)) as (database, tmp):
         secs = {}  # variant index -> mean seconds
         for rec in database.get_all_tuning_records():
             shash = ms.database.Workload(rec.workload.mod).as_json()[0]
@@ -527,7 +551,7 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
             extractor=ms.feature_extractor.PerStoreFeature(), adaptive_training=False,
             num_warmup_samples=0, config=ms.cost_model.xgb_model.XGBConfig(seed=seed),
             verbose_eval=0)
-        args = [ms.arg_info.ArgInfo.from_prim_func(m["main"]) for m in mods]
+        args = [variant_args(key, m, shape) for m in mods]
 
         def candidate(i):
             return ms.MeasureCandidate(tvm.s_tir.Schedule(mods[i]), args[i])
@@ -619,6 +643,7 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
                "variants": len(found),
                "ranking": {"spearman": ranking, "scored": len(scored)},
                "confirmed": confirmed,
+               "timed": "the kernel as built, shapes at run time (variant_workload)",
                "date": datetime.date.today().isoformat(), "device": _device_name(key.target),
                "versions": {"tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__}}
     (directory / SUMMARY).write_text(json.dumps(summary, indent=1, sort_keys=True))
@@ -657,10 +682,10 @@ def _exclusive(path: str | os.PathLike | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _regenerate_variants(directory: pathlib.Path, key: KernelKey, shape: dict | None) -> str:
+def _regenerate_variants(directory: pathlib.Path, key: KernelKey) -> str:
     """A variant log's database workload file, rebuilt from its index (:func:`_regenerate`)."""
     return _regenerate(directory, "variant",
-                       lambda variant: variant_workload(key, dict(variant), shape))
+                       lambda variant: variant_workload(key, dict(variant)))
 
 
 def dry_run(key: KernelKey, log=print) -> int:
