@@ -101,10 +101,9 @@ def tuned_choices(keys, logs: pathlib.Path) -> dict:
     for each tiled kernel's length buckets (``tvm_flash.key.LENGTH_BUCKETS``: a build of its
     own, which the runtime takes for calls that short): the bucket's log where it has one;
     where only the every-length log exists, ``None`` — the default variant. A log speaks for
-    the lengths it was measured at (``tuning.BUCKETS``: N 4096 for every length), and on the
-    H200 variants chosen there ran 13-25% slower at N 512-1024 than the default
-    (docs/journal/2026-12-01-tuning.md), so short calls keep the default until a log for
-    their bucket says otherwise."""
+    the lengths it was measured at (``tuning.BUCKETS``: N 4096 for every length); on the H200
+    variants chosen there lost to the default at N 512-1024 (docs/journal/2026-12-01-tuning.md),
+    so short calls keep the default until a log for their bucket says otherwise."""
     choices = {}
     for key in keys:
         buckets = LENGTH_BUCKETS if key.spec.length_buckets else ()

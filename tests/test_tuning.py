@@ -302,13 +302,14 @@ def test_variant_workload_is_the_deployed_kernel():
     from tvm_flash.build import schedules
 
     variant = schedules.variants("cuda", HOPPER)[0]  # the default
-    workload = tuning.variant_workload(HOPPER, variant)["main"]
+    mod = tuning.variant_workload(HOPPER, variant)
+    workload = mod["main"]
     deployed = scheduled_module(HOPPER)["main"]
     scale = deployed.params[-1]
     fixed = deployed.specialize({scale: tirx.const(1.0 / HOPPER.head_dim**0.5, "float32")})
     assert workload.script() == fixed.with_attr("global_symbol", "main").script()
     assert any(isinstance(d, tirx.Var) for d in workload.params[0].shape)
-    args = tuning.variant_args(HOPPER, tuning.variant_workload(HOPPER, variant))
+    args = tuning.variant_args(HOPPER, mod)
     shape = tuning.BUCKETS[0]["gpu"]
     assert [int(x) for x in args[0].shape] == [shape["B"], shape["Hq"], shape["L"], 128]
 

@@ -664,8 +664,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
 
     Validating the ``cu_seqlens`` reads them on the host (a synchronisation on a GPU) once
     per tensor: later calls with the same, unmodified tensor (every layer of a model) do not
-    wait. The
-    backward is deterministic, as :func:`attention`'s.
+    wait. The backward is deterministic, as :func:`attention`'s.
     """
     if causal_alignment not in CAUSAL_ALIGNMENTS:
         raise ValueError(f"causal_alignment: {causal_alignment!r} is not one of "
