@@ -12,6 +12,7 @@ Installed as ``tvm_flash.schedules``.
 
 from __future__ import annotations
 
+import dataclasses
 from importlib import import_module
 
 _BY_KIND = {"llvm": "cpu", "cuda": "cuda", "metal": "metal"}
@@ -40,6 +41,16 @@ def variants(kind: str, key) -> list[dict]:
     the schedule offers none)."""
     hook = getattr(for_target(kind), "variants", None)
     return hook(key) if hook else []
+
+
+def own_default(kind: str, key) -> bool:
+    """Whether ``key``, a length bucket's build (``key.lengths``), has a default variant of
+    its own: the schedule chooses differently for calls that short than for every length
+    (``scripts/build.py`` then builds the bucket even without a tuning log)."""
+    if not key.lengths:
+        return False
+    mine = variants(kind, key)
+    return bool(mine) and mine[0] != variants(kind, dataclasses.replace(key, lengths=0))[0]
 
 
 def variant(kind: str, key, fields: dict) -> dict:

@@ -69,6 +69,7 @@ from tvm.script import tirx as T
 from tvm_flash.kernels.common import (
     LOG2E,
     NO_MODS,
+    TANH_FORMS,
     TILED,
     ModArgs,
     Mods,
@@ -133,10 +134,10 @@ class HopperTile:
     form, dQ added into a float32 accumulator; ``ordered`` (with ``dq``): each query tile's
     additions in key-tile order behind semaphores, the same bits on every run. Unordered
     (additions as they arrive) measured 1-2% faster on the H200 (D 128, N 4096-16384), not
-    worth a non-deterministic mode (docs/journal/2026-12-01-hopper.md). ``fast_tanh`` (keys
-    with a soft cap): the hardware's approximate tanh (``kernels.common.Mods.fast_tanh``); not
-    a tuning variant (it changes the results), to be taken only where it measures within the
-    error bounds and faster (docs/journal/2026-12-01-features.md)."""
+    worth a non-deterministic mode (docs/journal/2026-12-01-hopper.md). ``tanh`` (keys
+    with a soft cap): the form of the cap's tanh (``kernels.common.TANH_FORMS``); not a tuning
+    variant (it changes the results), to be taken only where it measures within the error
+    bounds and faster (docs/journal/2026-12-01-features.md)."""
 
     consumers: int = 2
     step: int = 128
@@ -145,7 +146,7 @@ class HopperTile:
     persistent: bool = False
     dq: bool = False
     ordered: bool = True
-    fast_tanh: bool = False
+    tanh: str = "exp2"
 
     @property
     def rows(self) -> int:
@@ -239,18 +240,38 @@ def tile(key: KernelKey) -> HopperTile:
     if key.op == "dq":  # packed sequences: never persistent
         chosen = _dq_tile(d, key.causal != "none" and not key.varlen)
         return dataclasses.replace(chosen, step=min(chosen.step, 64)) if rescored else chosen
+    plain = not (key.mods or key.varlen)  # three consumers measured only without them
     if key.op == "dkv":  # also packed sequences: the sequence's rows and lengths take registers
         chosen = _dkv_tile(d)
         if (rescored or key.varlen) and not chosen.split:
             return dataclasses.replace(chosen, step=64 if d <= 64 else 32)
+        if d == 64 and key.causal != "none" and plain:
+            # 192 keys a block, 32-query steps (64 spill); H200, bf16, the kernel alone,
+            # causal N 1024 / 4096 / 16384: 187 / 276 / 345 -> 225 / 324 / 366 TFLOP/s;
+            # unmasked 279 / 375 / 409 -> 279 / 337 / 360, so not there
+            return HopperTile(consumers=3, step=32, stages=3)
         return chosen
     # persistent where ptxas keeps it in registers and it was measured faster (D 96, 160-224
     # spill 4-200 bytes with the tile loop; D 256 causal N 512 / 1024 +8 / +5%, unmasked
     # 0 / -4%)
     # packed sequences: one block per (sequence, head, tile), never persistent
-    return HopperTile(step=128 if d <= 160 else 96 if d == 192 else 64,
+    return HopperTile(consumers=_fwd_consumers(key) if plain else 2,
+                      step=128 if d <= 160 else 96 if d == 192 else 64,
                       persistent=not key.varlen and (
                           d in (32, 64, 128) or d == 256 and key.causal != "none"))
+
+
+def _fwd_consumers(key: KernelKey) -> int:
+    """Three consumer warpgroups (192 query rows, FlashAttention-3's D 64 tile) at D 64 but
+    causal calls up to 1024 long (the length bucket ``key.lengths == 1024``), else two. H200,
+    bf16, TFLOP/s two -> three, unmasked N 512 / 1024 / 2048 / 4096 / 16384: 283 -> 295,
+    341 -> 350, 348 -> 401, 385 -> 443, 413 -> 483; causal 167 -> 150, 237 -> 213, 268 ->
+    278, 315 -> 331, 394 -> 429 (short causal calls have few rows a head: 192-row tiles
+    waste more of them). D 128 at three (64- or 80-key steps; 96 spill): N 16384 +3%
+    unmasked, 1024 -7%, causal -1...-9% (docs/journal/2026-12-01-hopper.md)."""
+    if key.head_dim != 64 or key.op != "fwd":
+        return 2
+    return 2 if key.causal != "none" and key.lengths == 1024 else 3
 
 
 def _dq_tile(d: int, causal: bool) -> HopperTile:
@@ -380,9 +401,27 @@ def _sm_count(persistent: bool):
             if persistent else T.int32(0))
 
 
+PERSISTENT_MAX_WINDOW = 2048
+"""Under a sliding window a persistent forward (or dQ) stays one block per SM while a tile
+walks at most this many keys (:func:`_walked`): every tile but the first few walks about the
+same keys, so the fixed assignment stays balanced where causal tiles' would not, and with ~10
+steps a tile its fixed costs weigh as they do below ``PERSISTENT_MAX_KEYS``."""
+
+
+def _walked(Lk, rows: int, step: int, mods: Mods, window_left, window_right):
+    """Host code: the keys to compare with ``PERSISTENT_MAX_KEYS`` (:func:`_grid`): ``Lk``, or
+    under a window the extent a tile of ``rows`` queries walks (one step more for the first
+    tile's alignment), scaled to that limit by ``PERSISTENT_MAX_WINDOW``."""
+    if not mods.window:
+        return Lk
+    return (T.min(Lk, window_left + window_right + rows + step) * PERSISTENT_MAX_KEYS
+            // PERSISTENT_MAX_WINDOW)
+
+
 def _grid(total, sms, Lk, persistent: bool):
     """Host code: the int32 count of blocks of a grid over ``total`` row tiles — one per SM
-    where persistent and ``Lk <= PERSISTENT_MAX_KEYS``, else one per tile."""
+    where persistent and a tile walks at most ``PERSISTENT_MAX_KEYS`` keys (``Lk``:
+    :func:`_walked`), else one per tile."""
     return T.cast(T.if_then_else(Lk <= PERSISTENT_MAX_KEYS,
                                  T.min(total, T.max(T.cast(sms, "int64"), T.int64(1))), total)
                   if persistent else total, "int32")
@@ -479,7 +518,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     ping-pong (the two consumers taking turns to issue their GEMMs on named barriers) was
     measured on top of this and dropped: 0-3% slower at D 64-256 (the journal)."""
     D, dtype, causal, sinks, group = key.head_dim, key.dtype, key.causal, key.sinks, key.group
-    mods = Mods(key.window, key.softcap, key.alibi, tile.fast_tanh)
+    mods = Mods(key.window, key.softcap, key.alibi, tile.tanh)
     rescored = mods.softcap or mods.alibi  # scores rewritten in base 2 before the softmax
     varlen = key.varlen  # packed sequences (``tvm_flash.kernels.forward.flash_forward``)
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
@@ -540,8 +579,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             gemm_rs(mma_o, acc, NO * 4, pw, dv[0], BK // 16, ROW)
 
     @T.macro
-    def softmax(s, p, acc, m, mn, msub, lsum, bars, j, g, row, lane, scale2, elected, Lq, Lk,
-                c, scale, ma):
+    def softmax(s, p, acc, m, mn, msub, lsum, bars, j, g, row, lane, scale2, elected,
+                Lq, Lk, c, scale, ma):
         """S_j (ring slot ``g``) is complete: release K_j, online softmax in place; once
         P_{j-1} V_{j-1} is complete, release V_{j-1}, rescale O and round P_j into the
         registers it read. Score modifiers (``ma``: their arguments, the slope in a register)
@@ -554,10 +593,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         if rescored:
             for i in T.unroll(NS * 4):
                 s[i] = modified_score(s[i], scale, mods, ma, causal, 0, 0,
-                                      row + i % 4 // 2 * 8,
-                                      k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq,
-                                      Lk) * T.float32(LOG2E)
-        if T.bool(True) if mods.window else _mask_needed(causal, c[3], BM, k0, BK, Lk, Lq, Lk):
+                                      row + i % 4 // 2 * 8, k0 + lane % 4 * 2, Lq, Lk,
+                                      -(i // 4 * 8 + i % 2)) * T.float32(LOG2E)
+        if _mask_needed(causal, c[3], BM, k0, BK, Lk, Lq, Lk, mods=mods, ma=ma):
             for i in T.unroll(NS * 4):
                 if not visible(causal, row + i % 4 // 2 * 8,
                                k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq, Lk, None, mods, ma):
@@ -614,7 +652,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BM))
         heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
         total = T.meta_var(heads * nqt)  # query tiles
-        grid: T.let[T.int32] = _grid(total, sms, Lk, tile.persistent)
+        grid: T.let[T.int32] = _grid(total, sms, _walked(Lk, BM, BK, mods, window_left,
+                                                         window_right), tile.persistent)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -785,9 +824,12 @@ def variants(key: KernelKey) -> list[HopperTile]:
         return []
     found = [default]
     persistent = (False, True) if key.op != "dkv" else (False,)
-    for step, stages, pers in itertools.product((32, 64, 96, 128, 160, 192), (2, 3),
-                                                persistent):
-        candidate = dataclasses.replace(default, step=step, stages=stages, persistent=pers)
+    for consumers, step, stages, pers in itertools.product(
+            (2, 3), (32, 64, 96, 128, 160, 192), (2, 3), persistent):
+        if consumers == 3 and (default.split or not _three_fit(key, step)):
+            continue
+        candidate = dataclasses.replace(default, consumers=consumers, step=step, stages=stages,
+                                        persistent=pers)
         if candidate in found:
             continue
         try:
@@ -796,6 +838,19 @@ def variants(key: KernelKey) -> list[HopperTile]:
             continue
         found.append(candidate)
     return found
+
+
+def _three_fit(key: KernelKey, step: int) -> bool:
+    """Whether three consumer warpgroups (160 registers a thread) keep ``step``-row steps in
+    registers, from ptxas (bf16): the forward while O's D / 2, S's step / 2 and P's step / 4
+    registers leave ~30 (D 64 step 128 and D 128 step 80 fit, D 128 step 96 spills 32 bytes);
+    dQ at D 64 up to 64-key steps and dK/dV at D 64 up to 32-query steps (dK/dV 64: 92
+    bytes, dQ D 128 64: 204)."""
+    if key.op == "fwd":
+        return key.head_dim // 2 + 3 * step // 4 <= 130
+    if key.head_dim > 64:
+        return False
+    return step <= (64 if key.op == "dq" else 32)
 
 
 def kernel(key: KernelKey, tile_override: HopperTile | None = None):
@@ -812,6 +867,8 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
         raise ValueError(f"{key.name}: not a Hopper kernel key")
     if chosen.step % 16:
         raise ValueError(f"{key.name}: tile {chosen}: the step must be a multiple of 16 rows")
+    if chosen.consumers not in (2, 3):
+        raise ValueError(f"{key.name}: tile {chosen}: two or three consumer warpgroups")
     if chosen.split and (key.op != "dkv" or chosen.consumers != 2):
         raise ValueError(f"{key.name}: tile {chosen}: a split tile is a dK/dV one of two "
                          "consumer warpgroups")
@@ -824,8 +881,10 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
                          "modifier")
     if not chosen.ordered and not chosen.dq:
         raise ValueError(f"{key.name}: tile {chosen}: only the fused dQ has an order to drop")
-    if chosen.fast_tanh and not key.softcap:
-        raise ValueError(f"{key.name}: tile {chosen}: fast_tanh is for keys with a soft cap")
+    if chosen.tanh not in TANH_FORMS:
+        raise ValueError(f"{key.name}: tile {chosen}: tanh must be one of {TANH_FORMS}")
+    if chosen.tanh != "exp2" and not key.softcap:
+        raise ValueError(f"{key.name}: tile {chosen}: a tanh form is for keys with a soft cap")
     if chosen.smem_bytes(key.head_dim, key.op) > SMEM_LIMIT:
         raise ValueError(f"{key.name}: tile {chosen} needs "
                          f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "
@@ -860,7 +919,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     mbarrier lets the producer load the next Q and dO tiles once both consumers' last S and
     dP completed."""
     D, dtype, causal = key.head_dim, key.dtype, key.causal
-    mods = Mods(key.window, key.softcap, key.alibi, tile.fast_tanh)
+    mods = Mods(key.window, key.softcap, key.alibi, tile.tanh)
     varlen = key.varlen  # packed sequences, as the forward's
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
@@ -911,7 +970,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         (``s * scale`` itself without a soft cap or ALiBi; ``ma.slopes[0, 0]``: the tile's
         slope)."""
         score = modified_score(s[i], scale, mods, ma, causal, 0, 0, row + i % 4 // 2 * 8,
-                               k0 + i // 4 * 8 + lane % 4 * 2 + i % 2, Lq, Lk)
+                               k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2))
         return exp2_clamped((score - lse[i % 4 // 2]) * T.float32(LOG2E))
 
     @T.macro
@@ -924,8 +983,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         dS_j made in one pass. Under a window every step is masked, its key tiles counted
         from ``c[6]``."""
         k0 = T.meta_var((j + c[6] // BK) * BK if mods.window else j * BK)
-        masked = T.meta_var(T.bool(True) if mods.window
-                            else _mask_needed(causal, row0, 64, k0, BK, Lk, Lq, Lk))
+        masked = T.meta_var(_mask_needed(causal, row0, 64, k0, BK, Lk, Lq, Lk, mods=mods,
+                                         ma=ma))
         if mods.softcap:
             T.ptx.wgmma.wait_group.sync.aligned(1 if dq_in_flight else 0)  # S_j, dP_j done
             pin(s, NS * 4)
@@ -999,7 +1058,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BM))
         heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
         total = T.meta_var(heads * nqt)  # query tiles
-        grid: T.let[T.int32] = _grid(total, sms, Lk, tile.persistent)
+        grid: T.let[T.int32] = _grid(total, sms, _walked(Lk, BM, BK, mods, window_left,
+                                                         window_right), tile.persistent)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
         bx = T.cta_id([grid])
@@ -1186,7 +1246,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     thread holding D / 2 registers of sums."""
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
     # the plain tile only (MODS_WRITTEN)
-    mods = Mods(key.window, key.softcap, key.alibi, tile.fast_tanh)
+    mods = Mods(key.window, key.softcap, key.alibi, tile.tanh)
     varlen = key.varlen  # packed sequences: the plain tile only (VARLEN_WRITTEN)
     BN, BQ, ST, NC, SPLIT = tile.rows, tile.step, tile.stages, tile.consumers, tile.split
     NT = tile.threads
@@ -1223,9 +1283,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         itself without a soft cap or ALiBi; ``ma.slopes[0, 0]``: the step's query head's
         slope)."""
         lse = stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2]
-        score = modified_score(st[e], scale, mods, ma, causal, 0, 0,
-                               q0 + e // 4 * 8 + lane % 4 * 2 + e % 2, key_row + e % 4 // 2 * 8,
-                               Lq, Lk)
+        score = modified_score(st[e], scale, mods, ma, causal, 0, 0, q0 + lane % 4 * 2,
+                               key_row, Lq, Lk, e // 4 * 8 + e % 2 - e % 4 // 2 * 8)
         return exp2_clamped((score - lse) * T.float32(LOG2E))
 
     @T.macro
@@ -1242,8 +1301,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                                          ma), dtype), F32)
         # the columns past Lq need no mask (LSE +inf there): only the causal diagonal (and,
         # under a window, both its edges: every step)
-        if T.bool(True) if mods.window else _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq,
-                                                         Lk, transposed=True):
+        if _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq, Lk, transposed=True, mods=mods,
+                        ma=ma):
             for e in T.unroll(NS * 4):
                 if not visible(causal, q0 + e // 4 * 8 + lane % 4 * 2 + e % 2,
                                key_row + e % 4 // 2 * 8, Lq, Lk, None, mods, ma):

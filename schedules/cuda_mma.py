@@ -45,10 +45,12 @@ from tvm.script import tirx as T
 
 from tvm_flash.kernels.common import (
     LOG2E,
+    NO_MODS,
     ModArgs,
     Mods,
     TileConfig,
     causal_offset,
+    diagonal,
     exp2_clamped,
     first_key,
     first_query_tile,
@@ -498,16 +500,35 @@ def pos_inf():
 
 
 def _mask_needed(causal: str, first_row, rows: int, first_col, cols: int, col_end, lq, lk,
-                 transposed: bool = False):
-    """Whether a (rows x cols) score tile may hold a masked element: it crosses ``col_end`` or
-    (causal) the diagonal. ``transposed``: rows are keys and columns queries (dK/dV)."""
-    crosses_end = first_col + cols > col_end
-    if causal == "none":
-        return crosses_end
+                 transposed: bool = False, mods: Mods = NO_MODS, ma=None):
+    """Whether a (rows x cols) score tile may hold a masked element: it crosses ``col_end``,
+    (causal) the diagonal or (``mods.window``, ``ma`` its arguments) an edge of the window.
+    ``transposed``: rows are keys and columns queries (dK/dV). Under a window only the first
+    and last few steps of a walk cross an edge: the others skip the mask."""
+    crosses = [first_col + cols > col_end]
     if transposed:  # a key row j is masked for query i < j - offset
-        return T.Or(crosses_end,
-                    first_col < first_row + rows - 1 - causal_offset(causal, lq, lk))
-    return T.Or(crosses_end, first_col + cols - 1 > first_row + causal_offset(causal, lq, lk))
+        if causal != "none":
+            crosses.append(first_col < first_row + rows - 1 - causal_offset(causal, lq, lk))
+        if mods.window:  # key j is visible to query i iff i + diag - left <= j <= i + diag + right
+            diag = diagonal(causal, lq, lk)
+            crosses += [first_row < first_col + cols - 1 + diag - ma.left,
+                        first_row + rows - 1 > first_col + diag + ma.right]
+    else:
+        if causal != "none":
+            crosses.append(first_col + cols - 1 > first_row + causal_offset(causal, lq, lk))
+        if mods.window:
+            diag = diagonal(causal, lq, lk)
+            crosses += [first_col < first_row + rows - 1 + diag - ma.left,
+                        first_col + cols - 1 > first_row + diag + ma.right]
+    return _any(crosses)
+
+
+def _any(conds):
+    """The disjunction of ``conds`` (TIR expressions), left to right."""
+    out = conds[0]
+    for cond in conds[1:]:
+        out = T.Or(out, cond)
+    return out
 
 
 class _KeyWalk:
@@ -750,8 +771,7 @@ def flash_forward(key: KernelKey, tile: MmaTile):
                                           row + _row_offset(i, NS),
                                           k0 + lane % 4 * 2 + _col_offset(i, NS), lq,
                                           lk) * T.float32(LOG2E)
-            if T.bool(True) if mods.window else _mask_needed(causal, c[3], BQ, k0, BK, lk, lq,
-                                                             lk):
+            if _mask_needed(causal, c[3], BQ, k0, BK, lk, lq, lk, mods=mods, ma=ma):
                 for i in T.unroll(MT * NS * 4):
                     if not visible(causal, row + _row_offset(i, NS),
                                    k0 + lane % 4 * 2 + _col_offset(i, NS), lq, lk, None, mods,
@@ -911,8 +931,7 @@ def flash_dq(key: KernelKey, tile: MmaTile):
                                             row + _row_offset(i, NS),
                                             k0 + lane % 4 * 2 + _col_offset(i, NS), lq, lk),
                              lse[_lane_row(i, NS)], False)
-            if T.bool(True) if mods.window else _mask_needed(causal, c[3], BQ, k0, BK, lk, lq,
-                                                             lk):
+            if _mask_needed(causal, c[3], BQ, k0, BK, lk, lq, lk, mods=mods, ma=ma):
                 for i in T.unroll(MT * NS * 4):
                     if not visible(causal, row + _row_offset(i, NS),
                                    k0 + lane % 4 * 2 + _col_offset(i, NS), lq, lk, None, mods,
@@ -1103,8 +1122,8 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
                                    key_row + _row_offset(i2 * 4 + e, NS), lq, lk),
                     stats[_plus(ss, qw) + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS)]),
                     dtype), F32)
-            if T.bool(True) if mods.window else _mask_needed(causal, c[2], BK, q0, BQ, lq, lq,
-                                                             lk, transposed=True):
+            if _mask_needed(causal, c[2], BK, q0, BQ, lq, lq, lk, transposed=True, mods=mods,
+                            ma=ma):
                 for i2, e in T.grid(MT * NS, 4):
                     if not visible(causal,
                                    _plus(q0, qw) + lane % 4 * 2 + _col_offset(i2 * 4 + e, NS),

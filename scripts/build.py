@@ -117,9 +117,26 @@ def tuned_choices(keys, logs: pathlib.Path) -> dict:
     return choices
 
 
+def own_buckets(keys, tuned: dict) -> list[KernelKey]:
+    """The length buckets of ``keys`` without a tuning log of their own whose default variant
+    differs from the every-length one (``schedules.own_default``: e.g. the Hopper forward at
+    D 64, causal, keeps two consumer warpgroups up to 1024 keys): built so that the runtime
+    takes them for calls that short."""
+    found = []
+    for key in keys:
+        for n in LENGTH_BUCKETS if key.spec.length_buckets else ():
+            bucket = dataclasses.replace(key, lengths=n)
+            if bucket not in tuned and schedules.own_default(target_kind(key.target), bucket):
+                found.append(bucket)
+    return found
+
+
 def _how(key, tuned: dict | None) -> str:
     """Which variant or tile a kernel was built with, and why."""
     lowered = schedules.lowers(target_kind(key.target), key)
+    if tuned is None and schedules.own_default(target_kind(key.target), key):
+        return (f"the schedule's default variant for calls up to {key.lengths} long, its own: "
+                "no tuning log for this bucket")
     if tuned is None and key.lengths:
         return (f"the default {'variant' if lowered else 'tile'} for calls up to "
                 f"{key.lengths} long: the kernel's log was measured at longer ones and this "
@@ -181,14 +198,16 @@ def main(argv=None) -> int:
     logs = None if args.tuning_logs == "none" else pathlib.Path(args.tuning_logs)
     tuned = tuned_choices(keys, logs) if logs else {}
     buckets = [k for k in tuned if k.lengths]  # length buckets' own builds
-    keys += buckets
+    own = own_buckets(keys, tuned)
+    keys += buckets + own
     logged = [k for k, found in tuned.items() if found is not None]
     short = sum(1 for k in logged if k.lengths)
     out = pathlib.Path(args.out) if args.out else artifacts.default_artifact_dir(target)
     print(f"building {len(keys)} kernels for {target} into {out} ({len(logged)} from tuning "
           f"logs, {short} of them for a length bucket; {len(keys) - len(logged)} with the "
           f"default schedule, {len(buckets) - short} of those for a length bucket whose "
-          "kernel has only an every-length log)", flush=True)
+          f"kernel has only an every-length log, {len(own)} for a length bucket with a "
+          "default of its own)", flush=True)
     entries, failures, start = [], [], time.time()
     # spawned, not forked: a worker forked from a process that touched the CUDA runtime
     # (a GPU machine) fails with an initialization error

@@ -19,7 +19,9 @@ B·N = 16k tokens, hidden 2048, side by side in the same process with:
   and timed with its accumulator's zeroing and conversion, 5 GEMMs = 10 B H N^2 D: compare
   it with the default tiles' dq + dkv. ``--mods window,softcap+alibi`` adds keys with those
   score modifiers (window (37, 5), cap 5, random slopes; checked against the reference with
-  the same; ``cuda_hopper.MODS_WRITTEN``). ``--varlen`` adds the forward for packed
+  the same; ``cuda_hopper.MODS_WRITTEN``), timed with a (1024, 0) window, a cap of 30 and
+  ALiBi's geometric slopes (TFLOP/s count the whole N^2: compare times with the plain key's
+  row); ``--tiles`` may name them (``"fwd:128:softcap"``). ``--varlen`` adds the forward for packed
   sequences (``cuda_hopper.VARLEN_WRITTEN``), checked per sequence of a packed batch with an
   empty query sequence, one without keys and Lq != Lk.
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -69,7 +72,12 @@ def _build(key, tile: dict | None, out: str):
     cuda_mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
 
     if key.target == "cuda-sm_90a":
-        t = cuda_hopper.HopperTile(**tile) if tile else None
+        t = None
+        if tile and tile.get("+"):  # fields changed on the key's default tile
+            t = dataclasses.replace(cuda_hopper.tile(key),
+                                    **{f: x for f, x in tile.items() if f != "+"})
+        elif tile:
+            t = cuda_hopper.HopperTile(**tile)
         func, pipeline = cuda_hopper.kernel(key, t), "tirx"
     else:
         func, pipeline = cuda_mma.kernel(key), "default"
@@ -97,6 +105,7 @@ def _load(so, code, sha, op):
 
 
 WINDOW, CAP = (37, 5), 5.0  # the score modifiers' values a sweep checks with
+TIMED_WINDOW, TIMED_CAP = (1024, 0), 30.0  # and times with (scripts/bench_features.py's)
 
 
 def _mods(key, q, k):
@@ -113,6 +122,20 @@ def _mods(key, q, k):
            "alibi_slopes": slopes if key.alibi else None}
     left, right = (min(w, lq + lk) for w in WINDOW) if key.window else (lq + lk, lq + lk)
     return (slopes, left, right, CAP if key.softcap else 1.0), ref
+
+
+def _timed_mods(key, q, k) -> tuple:
+    """The kernel's trailing score-modifier arguments for a timing: a (1024, 0) window, a
+    soft cap of 30, ALiBi's geometric slopes (``2^(-8 (h + 1) / H)``)."""
+    import torch
+
+    if not key.mods:
+        return ()
+    b, hq, lq, _ = q.shape
+    lk = k.shape[2]
+    slopes = torch.exp2(-8 * torch.arange(1, hq + 1, device=q.device) / hq).expand(b, hq)
+    left, right = TIMED_WINDOW if key.window else (lq + lk, lq + lk)
+    return (slopes.contiguous(), left, right, TIMED_CAP if key.softcap else 1.0)
 
 
 def _reference(q, k, v, causal, scale, sinks, **mods):
@@ -396,7 +419,8 @@ def timing_backward(fn, key, n: int, device, fused: bool = False) -> dict:
             dq.copy_(acc[:, :, :n] * scale)
     else:
         def call():
-            fn(q, k, v, do, lse, delta, *outs, scale)
+            fn(q, k, v, do, lse, delta, *outs, scale, *extra)
+    extra = _timed_mods(key, q, k)
     ms = do_bench(call, warmup=50, rep=300, return_mode="median")
     return {"ours": flops / ms / 1e9, "ms": ms}
 
@@ -414,9 +438,12 @@ def timing(fn, key, n: int, device) -> dict:
     causal = key.causal != "none"
     flops = 4 * b * h * n * n * d // (2 if causal else 1)
     res = {}
-    ms = do_bench(lambda: _run(fn, q, k, v, None, 1 / math.sqrt(d)), warmup=50, rep=300,
-                  return_mode="median")
-    res["ours"] = flops / ms / 1e9
+    extra = _timed_mods(key, q, k)
+    ms = do_bench(lambda: _run(fn, q, k, v, None, 1 / math.sqrt(d), extra), warmup=50,
+                  rep=300, return_mode="median")
+    res["ours"], res["ms"] = flops / ms / 1e9, ms
+    if key.mods:  # torch's backends have none of them: the plain key's row is the comparison
+        return res
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
                           ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
@@ -438,16 +465,19 @@ def main(argv=None) -> int:
     p.add_argument("--causal", default="none,top-left,bottom-right")
     p.add_argument("--gqa", default="1,2")
     p.add_argument("--tiles", default="[null]",
-                   help="JSON list of HopperTile fields (null: the default tile), or a dict of "
-                        "such lists by head dim or op:head dim, e.g. "
-                        "'{\"64\": [{\"step\": 192}], \"dkv:128\": [null, {\"step\": 32}]}'")
+                   help="JSON list of HopperTile fields (null: the default tile; with "
+                        "\"+\": true, fields changed on the default tile), or a dict of such "
+                        "lists by head dim, op:head dim or op:head dim:modifiers, e.g. "
+                        "'{\"64\": [{\"step\": 192}], \"dkv:128\": [null, {\"step\": 32}], "
+                        "\"fwd:128:softcap\": [null, {\"+\": true, \"tanh\": \"approx\"}]}'")
     p.add_argument("--seqlens", default="4096", help="timed lengths ('' : check only)")
     p.add_argument("--mma", action="store_true",
                    help="also check and time the mma.sync kernels (cuda-sm_90 keys; with "
                         "--mods / --varlen theirs too, checked)")
     p.add_argument("--mods", default="",
                    help="also score modifiers: comma-separated combinations of window, "
-                        "softcap, alibi joined by '+' (checked, not timed)")
+                        "softcap, alibi joined by '+' (checked; timed with a (1024, 0) window, a "
+                        "cap of 30, ALiBi's geometric slopes: compare with the plain row)")
     p.add_argument("--varlen", action="store_true",
                    help="also the kernels for packed sequences (checked, not timed)")
     p.add_argument("--jobs", type=int, default=os.cpu_count())
@@ -492,7 +522,9 @@ def main(argv=None) -> int:
                 modded = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90a", varlen=packed,
                                    **combo)
                 if cuda_hopper.writes(modded):
-                    jobs.append((modded, None))
+                    named = f"{op}:{d}:{'+'.join(combo)}" if not packed else None
+                    picked = tiles.get(named, [None]) if isinstance(tiles, dict) else [None]
+                    jobs += [(modded, t) for t in picked]
                 modded = KernelKey(op, d, SHORT[dt], causal, g, "cuda-sm_90", varlen=packed,
                                    **combo)
                 if args.mma and cuda_mma.writes(modded):
@@ -532,8 +564,7 @@ def main(argv=None) -> int:
                                             fused=fused,
                                             deterministic=bool(t is None or t.get("ordered",
                                                                                   True)))
-            if (row["ok"] and not key.sinks and key.group == 1 and not key.mods
-                    and not key.varlen):
+            if row["ok"] and not key.sinks and key.group == 1 and not key.varlen:
                 for n in seqlens:
                     row[f"n{n}"] = (timing(fn, key, n, device) if key.op == "fwd"
                                     else timing_backward(fn, key, n, device, fused))
@@ -552,9 +583,9 @@ def main(argv=None) -> int:
         for k, v in r.items():
             if not (k.startswith("n") and isinstance(v, dict)):
                 continue
-            if "flash" in v:
-                figs.append(f"N{k[1:]}: {v['ours']:.0f}/{v['flash'] or 0:.0f}/"
-                            f"{v['cudnn'] or 0:.0f}")
+            if "flash" in v or r["key"].startswith("fwd"):
+                figs.append(f"N{k[1:]}: {v['ours']:.0f}/{v.get('flash') or 0:.0f}/"
+                            f"{v.get('cudnn') or 0:.0f}")
             else:
                 mma = by_name.get(r["key"].replace("cuda-sm_90a", "cuda-sm_90"), {}).get(k)
                 figs.append(f"N{k[1:]}: {v['ours']:.0f}"

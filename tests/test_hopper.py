@@ -238,22 +238,22 @@ def test_score_modifiers_served_where_checked():
 
 
 @pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
-def test_fast_tanh_variant_takes_the_hardware_tanh(op):
-    """``HopperTile(fast_tanh=True)`` (a soft cap's variant, measured before it is served:
-    docs/journal/2026-12-01-features.md) computes the cap's tanh with ``tanhf`` — one
-    ``tanh.approx.f32`` under nvcc's fast math — instead of the accurate form's exp2 and
-    division; the default keeps the accurate form, and keys without a soft cap refuse it."""
+def test_tanh_forms_of_the_soft_cap(op):
+    """``HopperTile(tanh="approx")`` (a soft cap's variant: faster on the H200, not served for
+    its 2^-11 error, docs/journal/2026-12-01-features.md) computes the cap's tanh with
+    ``tanhf`` — one ``tanh.approx.f32`` under nvcc's fast math — instead of the default's exp2
+    and division; keys without a soft cap refuse it."""
     key = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a", softcap=True)
     default = hopper.tile(key)
-    assert not default.fast_tanh
-    fast = hopper.kernel(key, dataclasses.replace(default, fast_tanh=True))
+    assert default.tanh == "exp2"
+    accurate = _source(key)
+    variant = hopper.kernel(key, dataclasses.replace(default, tanh="approx"))
     with tvm.transform.PassContext(config=pass_config("cuda")):
-        built = tvm.tirx.build(tvm.IRModule({"main": fast}), target=make_target(key.target),
+        built = tvm.tirx.build(tvm.IRModule({"main": variant}), target=make_target(key.target),
                                pipeline="tirx")
-    src, accurate = device_source(built), _source(key)
-    calls = len(re.findall(r"\btanhf\(", src))
-    assert calls >= 16 and len(re.findall(r"\btanhf\(", accurate)) == 0
+    src = device_source(built)
+    assert len(re.findall(r"\btanhf\(", src)) >= 16 and not re.findall(r"\btanhf\(", accurate)
     assert src.count("exp2f(") < accurate.count("exp2f(")
     plain = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a")
-    with pytest.raises(ValueError, match="fast_tanh is for keys with a soft cap"):
-        hopper.kernel(plain, dataclasses.replace(hopper.tile(plain), fast_tanh=True))
+    with pytest.raises(ValueError, match="a tanh form is for keys with a soft cap"):
+        hopper.kernel(plain, dataclasses.replace(hopper.tile(plain), tanh="approx"))

@@ -10,12 +10,16 @@ import importlib.util
 import json
 import pathlib
 
+import numpy as np
 import pytest
 import torch
+import tvm
 from checks import check_against_reference, make_inputs
 from conftest import DEVICES
+from tvm.script import tirx as T
 
 from tvm_flash import attention
+from tvm_flash.kernels.common import tanh
 from tvm_flash.key import KernelKey
 
 CAUSAL = ["none", "top-left", "bottom-right"]
@@ -170,3 +174,27 @@ def test_features_benchmark_runs_on_the_cpu(tmp_path):
     assert {"varlen/dense", "window/full", "softcap/plain", "alibi/plain"} <= {
         name for r in rows for name in r["ratios"]}
     assert all(ms > 0 for r in rows for ms in r["ms"].values())
+
+
+def test_tanh_is_float32_accurate():
+    """The soft cap's tanh (``kernels.common.tanh``, its default form) compiled for the CPU and
+    run on a dense grid and +-inf, NaN: within 16 float32 ulp of float64's tanh where |tanh| >=
+    2^-4 and 5e-7 everywhere (below, ``1 - 2 / (e + 1)`` loses digits to cancellation);
+    saturating to +-1 and keeping a NaN."""
+    n = 200_003
+
+    @T.prim_func
+    def f(x: T.Buffer((n,), "float32"), y: T.Buffer((n,), "float32")):
+        for i in range(n):
+            y[i] = tanh(x[i])
+
+    lib = tvm.tirx.build(tvm.IRModule({"main": f}), target="llvm")
+    x = np.concatenate([np.linspace(-12, 12, n - 3), [np.inf, -np.inf, np.nan]]).astype(np.float32)
+    y = tvm.runtime.empty((n,), "float32")
+    lib(tvm.runtime.tensor(x), y)
+    got, ref = y.numpy().astype(np.float64), np.tanh(x.astype(np.float64))
+    assert np.isnan(got[-1]) and got[-3] == 1 and got[-2] == -1
+    ulp = np.spacing(np.abs(ref[:-3]).astype(np.float32)).astype(np.float64)
+    err = np.abs(got[:-3] - ref[:-3])
+    assert (err / ulp)[np.abs(ref[:-3]) >= 2 ** -4].max() <= 16
+    assert err.max() < 5e-7

@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import pathlib
 import shutil
@@ -214,16 +215,40 @@ def test_committed_logs_load():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
 def test_build_applies_a_committed_hopper_log(tmp_path):
     """build.py cross-compiles the H200 forward log's variant on a GPU-less host and says so."""
-    key = KernelKey("fwd", 64, "bfloat16", "none", 1, "cuda-sm_90a")
+    key = KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a")
     assert (ROOT / "tuning_logs" / key.target / key.name / "summary.json").exists()
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), "--target",
-                          "cuda:sm_90a", "--head-dims", "64", "--dtypes", "bf16", "--causal",
+                          "cuda:sm_90a", "--head-dims", "128", "--dtypes", "bf16", "--causal",
                           "none", "--out", str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     line = next(x for x in res.stdout.splitlines() if f" {key.name} " in x)
     assert "tuned variant" in line and "NVIDIA H200" in line, line
     entry = json.loads((tmp_path / "manifest.json").read_text())["kernels"][key.name]
     assert entry["schedule"] == "tuned" and "why" not in entry["tuned"]
+
+
+def test_length_buckets_with_a_default_of_their_own_are_built():
+    """The Hopper forward at D 64 takes three consumer warpgroups but for causal calls up to
+    1024 long (``cuda_hopper.tile``): that bucket has a default of its own
+    (``schedules.own_default``), which build.py builds with no tuning log and says so; buckets
+    whose default is the every-length one are not built without a log."""
+    from tvm_flash.build import schedules
+
+    spec = importlib.util.spec_from_file_location("build_script", ROOT / "scripts" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    causal, plain, wide = (KernelKey("fwd", d, "bfloat16", c, 1, "cuda-sm_90a")
+                           for d, c in ((64, "top-left"), (64, "none"), (128, "top-left")))
+    short = dataclasses.replace(causal, lengths=1024)
+    assert schedules.own_default("cuda", short)
+    assert not schedules.own_default("cuda", causal)
+    assert not schedules.own_default("cuda", dataclasses.replace(plain, lengths=1024))
+    assert not schedules.own_default("cuda", dataclasses.replace(wide, lengths=1024))
+    assert build.own_buckets([causal, plain, wide], {}) == [short]
+    assert build.own_buckets([causal], {short: None}) == []  # a logged kernel's bucket
+    assert "its own" in build._how(short, None)
+    tiles = [schedules.variants("cuda", k)[0]["consumers"] for k in (causal, short, plain)]
+    assert tiles == [3, 2, 3]
 
 
 def test_no_log_means_default_schedule():

@@ -289,7 +289,8 @@ def _load(key: KernelKey):
 def has(key: KernelKey) -> bool:
     """Whether an artifact directory (:func:`lookup`; not the JIT cache) lists ``key``. The
     runtime asks it of a length bucket's build (``tvm_flash.plan``): those exist only where
-    ``scripts/build.py`` made one from a tuning log, never built on first use."""
+    ``scripts/build.py`` made one (from a tuning log for the bucket, or where the schedule's
+    default for the bucket differs: ``schedules.own_default``), never built on first use."""
     for _, directory in lookup(key.target):
         manifest = _manifest(directory)
         if manifest is not None and key.name in manifest["kernels"]:

@@ -47,7 +47,8 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 """Head dimensions the kernels are written for (multiples of 32 up to 256)."""
 
 LENGTH_BUCKETS = (1024,)
-"""Length buckets: a tiled kernel (forward, dQ, dK/dV) may have a variant tuned for the calls
+"""Length buckets: a tiled kernel (forward, dQ, dK/dV) may have a build of its own (tuned, or
+the schedule's default for calls that short: ``schedules.own_default``) for the calls
 whose longest sequence (``max(Lq, Lk)``, packed: the longest sequence's) is at most one of
 these (:attr:`KernelKey.lengths`; the runtime takes it where one was built,
 ``tvm_flash.plan``). ``lengths=0``, every length, is the key of every kernel otherwise."""

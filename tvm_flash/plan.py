@@ -91,9 +91,10 @@ def length_bucket(longest: int) -> int:
 
 
 def _bucketed(key: KernelKey, bucket: int) -> KernelKey:
-    """``key``'s build tuned for ``bucket`` where an artifact directory has one (only
-    ``scripts/build.py`` makes them, from a tuning log for that bucket), else ``key``: the
-    same kernel with its default variant or its every-length log's."""
+    """``key``'s build for ``bucket`` where an artifact directory has one (only
+    ``scripts/build.py`` makes them: from a tuning log for that bucket, or where the
+    schedule's default variant for calls that short differs), else ``key``: the same kernel
+    with its every-length variant (just-in-time builds take that one too)."""
     if not bucket or not key.spec.length_buckets:
         return key
     tuned = dataclasses.replace(key, lengths=bucket)

@@ -137,11 +137,9 @@ class Mods:
     window: bool = False
     softcap: bool = False
     alibi: bool = False
-    fast_tanh: bool = False
-    """The soft cap's tanh as the hardware's approximation (``tanh.approx.f32``, relative error
-    ~2^-11) instead of :func:`tanh`'s accurate form (three special-function operations a
-    score): a variant of the Hopper kernels (``HopperTile.fast_tanh``), which serve only 16-bit
-    inputs, where that error is at or below the input precision."""
+    tanh: str = "exp2"
+    """How the soft cap's tanh is computed (:data:`TANH_FORMS`, :func:`tanh`): a variant of
+    the Hopper kernels (``HopperTile.tanh``), measured there before it is served."""
 
     def __bool__(self) -> bool:
         return self.window or self.softcap or self.alibi
@@ -184,28 +182,42 @@ def visible(causal: str, row, col, lq, lk, end=None, mods: Mods = NO_MODS, ma=No
     return conds[0] if len(conds) == 1 else tirx.all(*conds)
 
 
-def tanh(x, approx: bool = False):
-    """``tanh(x)`` as ``1 - 2 / (exp(2 x) + 1)``, float32-accurate on every target
-    (``approx``: ``T.tanh``, the ``tanh.approx.f32`` instruction on CUDA, see ``Mods``).
+TANH_FORMS = ("exp2", "approx")
+"""The forms of :func:`tanh`: the exp2 one (two special-function operations: the exponential
+and the division's reciprocal) and the hardware's (``tanh.approx.f32``, one; relative error
+about 2^-11, so a soft cap of 30 moves a score by up to 0.015)."""
 
-    Not ``T.tanh``: TVM compiles CUDA with ``--use_fast_math``, which turns ``tanhf`` into the
-    ``tanh.approx.f32`` instruction (relative error about 2^-11); on the H200 float32 soft-capped
-    outputs and gradients were then 1.2-2.5x the error bound of the float32 reference. ``exp2``
-    and the division stay within a few ulp under fast math; the form saturates to +-1 (an
-    infinite exponential gives 1, a zero one -1) and keeps a NaN."""
-    if approx:
+
+def tanh(x, form: str = "exp2"):
+    """``tanh(x)`` as ``1 - 2 / (exp(2 x) + 1)``, float32-accurate on every target (``approx``:
+    ``T.tanh``, the ``tanh.approx.f32`` instruction on CUDA: :data:`TANH_FORMS`).
+
+    Not ``T.tanh`` by default: TVM compiles CUDA with ``--use_fast_math``, which turns ``tanhf``
+    into the ``tanh.approx.f32`` instruction (relative error about 2^-11); on the H200 float32
+    soft-capped outputs and gradients were then 1.2-2.5x the error bound of the float32
+    reference. ``exp2`` and the division stay within a few ulp under fast math; the form
+    saturates to +-1 (an infinite exponential gives 1, a zero one -1) and keeps a NaN."""
+    if form == "approx":
         return T.tanh(x)
     return T.float32(1) - T.float32(2) / (T.exp2(x * T.float32(2 * LOG2E)) + T.float32(1))
 
 
-def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk):
+def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk,
+                   offset=0):
     """The scaled score ``s * scale`` (natural-log units) with ``mods``' soft cap and ALiBi
-    bias (:data:`tvm_flash.key.MODS`); ``h``: the query head (its slope)."""
+    bias (:data:`tvm_flash.key.MODS`); ``h``: the query head (its slope). ``offset``: a
+    constant added to the query's distance from the key, ``row + diagonal - col``: a kernel
+    whose thread holds many elements passes the positions they share as ``row`` and ``col``
+    and their constant difference as ``offset``, so that the integer distance is converted to
+    float once per row instead of once per element (int64 to float32 conversions run at a
+    sixteenth of the FMA rate)."""
     t = s * scale
     if mods.softcap:
-        t = tanh(s * (scale / ma.cap), mods.fast_tanh) * ma.cap
+        t = tanh(s * (scale / ma.cap), mods.tanh) * ma.cap
     if mods.alibi:
         distance = T.cast(row + diagonal(causal, lq, lk) - col, "float32")
+        if not isinstance(offset, int) or offset:  # an unrolled loop's index: a constant
+            distance = distance + T.cast(offset, "float32")
         t = t - ma.slopes[b, h] * T.fabs(distance)
     return t
 
@@ -215,7 +227,7 @@ def softcap_slope(s, scale, mods: Mods, ma):
     under a soft cap (1 without one, returned as None)."""
     if not mods.softcap:
         return None
-    t = tanh(s * (scale / ma.cap), mods.fast_tanh)
+    t = tanh(s * (scale / ma.cap), mods.tanh)
     return T.float32(1) - t * t
 
 
