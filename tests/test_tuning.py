@@ -251,6 +251,26 @@ def test_length_buckets_with_a_default_of_their_own_are_built():
     assert tiles == [3, 2, 3]
 
 
+def test_just_in_time_calls_take_a_bucket_with_a_default_of_its_own(monkeypatch):
+    """Where just-in-time building is allowed, a short call takes its length bucket's build if
+    the schedule's default differs there (as build.py would have built it), else the
+    every-length kernel; with JIT forbidden only artifact directories decide."""
+    from tvm_flash import plan
+
+    key = KernelKey("fwd", 64, "bfloat16", "top-left", 1, "cuda-sm_90a")
+    short = dataclasses.replace(key, lengths=1024)
+    monkeypatch.setattr(tvm_flash.artifacts, "has", lambda k: False)
+    try:
+        tvm_flash.allow_jit(True)
+        assert plan._bucketed(key, 1024) == short
+        assert plan._bucketed(dataclasses.replace(key, causal="none"), 1024).lengths == 0
+        assert plan._bucketed(key, 0) == key
+        tvm_flash.allow_jit(False)
+        assert plan._bucketed(key, 1024) == key
+    finally:
+        tvm_flash.allow_jit(None)
+
+
 def test_no_log_means_default_schedule():
     assert tuning.load_tuned(ROOT / "tuning_logs", KEY.__class__(
         "dkv", 96, "float16", "none", 8, "llvm")) is None

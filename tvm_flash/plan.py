@@ -2,8 +2,8 @@
 
 A call's *signature* is what fixes the kernels it runs: device, dtype, head dim, causal mode,
 GQA group, sinks, score modifiers (``tvm_flash.key.MODS``), packed sequences (varlen) or not,
-short query or not, forward or backward, and the length bucket (a tiled kernel's build tuned
-for calls that short, where ``scripts/build.py`` made one: :func:`length_bucket`). The first
+short query or not, forward or backward, and the length bucket (a tiled kernel's build for
+calls that short, tuned or the schedule's choice for them: :func:`length_bucket`). The first
 call of a signature builds its :class:`Plan` — kernel keys made and validated, the target tag
 of the device looked up, the kernels loaded, the device's parallel units counted — and the
 plan is cached; every later call of that signature does a dictionary lookup, arithmetic on
@@ -93,12 +93,24 @@ def length_bucket(longest: int) -> int:
 def _bucketed(key: KernelKey, bucket: int) -> KernelKey:
     """``key``'s build for ``bucket`` where an artifact directory has one (only
     ``scripts/build.py`` makes them: from a tuning log for that bucket, or where the
-    schedule's default variant for calls that short differs), else ``key``: the same kernel
-    with its every-length variant (just-in-time builds take that one too)."""
+    schedule's default variant for calls that short differs), or where just-in-time building
+    is allowed and the schedule's default differs (what ``build.py`` would have built);
+    else ``key``: the same kernel with its every-length variant."""
     if not bucket or not key.spec.length_buckets:
         return key
     tuned = dataclasses.replace(key, lengths=bucket)
-    return tuned if artifacts.has(tuned) else key
+    if artifacts.has(tuned) or (artifacts.jit_allowed() and _own_default(tuned)):
+        return tuned
+    return key
+
+
+def _own_default(key: KernelKey) -> bool:
+    """Whether the bucket ``key`` has a default variant of its own (``schedules.own_default``).
+    Build code: asked only where just-in-time building is allowed."""
+    from .build import schedules
+    from .target import target_kind
+
+    return schedules.own_default(target_kind(key.target), key)
 
 
 # ------------------------------------------------------------- the kernels of each call
