@@ -111,6 +111,9 @@ _TMA = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::by
 # of it past ``fence`` (TVM 0.27's ``T.cuda.wgmma.noop_barrier`` is broken: shared/hopper/NOTES).
 _PIN = '#define TVMF_PIN(r) asm volatile("" : "+f"(r) :: "memory")\n'
 _PIN_U32 = '#define TVMF_PIN_U32(r) asm volatile("" : "+r"(r) :: "memory")\n'
+# whether any lane of the warp has a row whose max moved (a rescale factor other than 1)
+_ANY_MOVED = ("__forceinline__ __device__ int tvmf_any_moved(float a, float b) {\n"
+              "  return __any_sync(0xffffffffu, a != 1.0f || b != 1.0f);\n}\n")
 SWIZZLE = {128: 3, 64: 2}  # descriptor and tensor-map codes of the 128/64-byte swizzles
 
 
@@ -137,7 +140,10 @@ class HopperTile:
     worth a non-deterministic mode (docs/journal/2026-12-01-hopper.md). ``tanh`` (keys
     with a soft cap): the form of the cap's tanh (``kernels.common.TANH_FORMS``); not a tuning
     variant (it changes the results), to be taken only where it measures within the error
-    bounds and faster (docs/journal/2026-12-01-features.md)."""
+    bounds and faster (docs/journal/2026-12-01-features.md). ``clamp`` off and
+    ``lazy_rescale`` (forward): the softmax's exponent unclamped, O rescaled only where a row's
+    max moved (:func:`flash_forward`'s ``softmax``) — variants to measure on the H200 before
+    either becomes the default."""
 
     consumers: int = 2
     step: int = 128
@@ -147,6 +153,8 @@ class HopperTile:
     dq: bool = False
     ordered: bool = True
     tanh: str = "exp2"
+    clamp: bool = True
+    lazy_rescale: bool = False
 
     @property
     def rows(self) -> int:
@@ -226,9 +234,9 @@ def supports(key: KernelKey) -> bool:
 
 
 def tile(key: KernelKey) -> HopperTile:
-    """Two consumer warpgroups (128 query rows) and two stages; 128-key steps up to D 160, fewer
-    above, where O's D / 2 registers a thread crowd out S and P (D 256: 128 + 32 + 16) and the
-    K/V ring outgrows shared memory. D 64 and 128 from an H200 sweep (docs/perf.md, "Hopper
+    """Two consumer warpgroups (128 query rows; three at D 64, :func:`_fwd_consumers`) and two
+    stages; 128-key steps up to D 160, fewer above, where O's D / 2 registers a thread crowd
+    out S and P (D 256: 128 + 32 + 16) and the K/V ring outgrows shared memory. D 64 and 128 from an H200 sweep (docs/perf.md, "Hopper
     forward"): at D 128 bf16 N 4096 532 TFLOP/s against 523 with three stages, 532 with
     176-key steps (which spill) and 432 for the best tile without the producer warpgroup."""
     d = key.head_dim
@@ -544,6 +552,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     FK, FV, EK, EV = 1, 1 + ST, 1 + 2 * ST, 1 + 3 * ST  # first barrier of each kind
     QE = 1 + 4 * ST
     regs_consumer = consumer_regs(NC)
+    exp2 = exp2_clamped if tile.clamp else T.exp2
 
     @T.macro
     def load(buf, bars, tmap, j, g, full, hk, b, koff):
@@ -584,8 +593,11 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         """S_j (ring slot ``g``) is complete: release K_j, online softmax in place; once
         P_{j-1} V_{j-1} is complete, release V_{j-1}, rescale O and round P_j into the
         registers it read. Score modifiers (``ma``: their arguments, the slope in a register)
-        rewrite S_j in base 2 first; under a window every step is masked, its key tiles
-        counted from ``c[6]``."""
+        rewrite S_j in base 2 first; under a window the key tiles are counted from ``c[6]``
+        and a step is masked where it crosses an edge (:func:`_mask_needed`).
+        ``tile.clamp`` off: exp2 of the scores unclamped (they are at most the row max, so
+        above 0 only by a rounding: P at most 1 + 2^-23); ``tile.lazy_rescale``: O rescaled
+        only where a row of the warp has a new max (a warp-uniform branch)."""
         k0 = T.meta_var((j + c[6] // BK) * BK if mods.window else j * BK)
         pin(s, NS * 4)
         if elected:
@@ -606,18 +618,24 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             mn[r] = T.max(m[r], mn[r] * scale2)
             msub[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(0), mn[r])
         for i in T.unroll(NS * 4):
-            s[i] = exp2_clamped(s[i] * scale2 - msub[_lane_row(i, NS)])
+            s[i] = exp2(s[i] * scale2 - msub[_lane_row(i, NS)])
         for r in T.unroll(2):
             m[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(1),
-                                  exp2_clamped(m[r] - mn[r]))
+                                  exp2(m[r] - mn[r]))
             lsum[r] = lsum[r] * m[r] + _row_tree(T.Add, s, r, NS)
         if j > 0:
             T.ptx.wgmma.wait_group.sync.aligned(0)  # P_{j-1} V_{j-1} done
             pin(acc, NO * 4)
             if elected:
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EV + (g - 1) % ST]))
-        for i in T.unroll(NO * 4):
-            acc[i] = acc[i] * m[_lane_row(i, NO)]
+        if tile.lazy_rescale:
+            if T.cuda.func_call("tvmf_any_moved", m[0], m[1], source_code=_ANY_MOVED,
+                                return_type="int32") != 0:
+                for i in T.unroll(NO * 4):
+                    acc[i] = acc[i] * m[_lane_row(i, NO)]
+        else:
+            for i in T.unroll(NO * 4):
+                acc[i] = acc[i] * m[_lane_row(i, NO)]
         for r in T.unroll(2):
             m[r] = mn[r]
         for i in T.unroll(NS * 4):
@@ -881,6 +899,8 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
                          "modifier")
     if not chosen.ordered and not chosen.dq:
         raise ValueError(f"{key.name}: tile {chosen}: only the fused dQ has an order to drop")
+    if (not chosen.clamp or chosen.lazy_rescale) and key.op != "fwd":
+        raise ValueError(f"{key.name}: tile {chosen}: clamp and lazy_rescale are the forward's")
     if chosen.tanh not in TANH_FORMS:
         raise ValueError(f"{key.name}: tile {chosen}: tanh must be one of {TANH_FORMS}")
     if chosen.tanh != "exp2" and not key.softcap:
@@ -980,8 +1000,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         them): P_j in place of S_j once S_j is complete, dS_j in place once dP_j is; once the
         dQ product is complete, release slot g - 1 and round dS_j into the words it read.
         Under a soft cap dS_j needs S_j itself (``1 - tanh^2``): both are awaited first and
-        dS_j made in one pass. Under a window every step is masked, its key tiles counted
-        from ``c[6]``."""
+        dS_j made in one pass. Under a window the key tiles are counted from ``c[6]`` and a
+        step is masked where it crosses an edge."""
         k0 = T.meta_var((j + c[6] // BK) * BK if mods.window else j * BK)
         masked = T.meta_var(_mask_needed(causal, row0, 64, k0, BK, Lk, Lq, Lk, mods=mods,
                                          ma=ma))
@@ -1300,7 +1320,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             st[e] = T.cast(T.cast(prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk,
                                          ma), dtype), F32)
         # the columns past Lq need no mask (LSE +inf there): only the causal diagonal (and,
-        # under a window, both its edges: every step)
+        # under a window, its edges: _mask_needed)
         if _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq, Lk, transposed=True, mods=mods,
                         ma=ma):
             for e in T.unroll(NS * 4):
