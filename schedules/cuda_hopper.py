@@ -278,7 +278,7 @@ def _fwd_consumers(key: KernelKey) -> int:
     278, 315 -> 331, 394 -> 429 (short causal calls have few rows a head: 192-row tiles
     waste more of them). D 128 at three (64- or 80-key steps; 96 spill): N 16384 +3%
     unmasked, 1024 -7%, causal -1...-9% (docs/journal/2026-12-01-hopper.md)."""
-    if key.head_dim != 64 or key.op != "fwd":
+    if key.head_dim != 64:
         return 2
     return 2 if key.causal != "none" and key.lengths == 1024 else 3
 
@@ -412,26 +412,25 @@ def _sm_count(persistent: bool):
 
 PERSISTENT_MAX_WINDOW = 2048
 """Under a sliding window a persistent forward (or dQ) stays one block per SM while a tile
-walks at most this many keys (:func:`_walked`): every tile but the first few walks about the
+walks at most this many keys (:func:`_few_keys`): every tile but the first few walks about the
 same keys, so the fixed assignment stays balanced where causal tiles' would not, and with ~10
 steps a tile its fixed costs weigh as they do below ``PERSISTENT_MAX_KEYS``."""
 
 
-def _walked(Lk, rows: int, step: int, mods: Mods, window_left, window_right):
-    """Host code: the keys to compare with ``PERSISTENT_MAX_KEYS`` (:func:`_grid`): ``Lk``, or
-    under a window the extent a tile of ``rows`` queries walks (one step more for the first
-    tile's alignment), scaled to that limit by ``PERSISTENT_MAX_WINDOW``."""
+def _few_keys(Lk, rows: int, step: int, mods: Mods, window_left, window_right):
+    """Host code: whether a tile of ``rows`` queries walks few enough keys for a persistent
+    grid: ``Lk <= PERSISTENT_MAX_KEYS``, or under a window its extent (one step more for the
+    first tile's alignment) at most ``PERSISTENT_MAX_WINDOW``."""
     if not mods.window:
-        return Lk
-    return (T.min(Lk, window_left + window_right + rows + step) * PERSISTENT_MAX_KEYS
-            // PERSISTENT_MAX_WINDOW)
+        return Lk <= PERSISTENT_MAX_KEYS
+    return T.min(Lk, window_left + window_right + rows + step) <= PERSISTENT_MAX_WINDOW
 
 
-def _grid(total, sms, Lk, persistent: bool):
+def _grid(total, sms, few_keys, persistent: bool):
     """Host code: the int32 count of blocks of a grid over ``total`` row tiles — one per SM
-    where persistent and a tile walks at most ``PERSISTENT_MAX_KEYS`` keys (``Lk``:
-    :func:`_walked`), else one per tile."""
-    return T.cast(T.if_then_else(Lk <= PERSISTENT_MAX_KEYS,
+    where persistent and a tile walks few keys (``few_keys``: :func:`_few_keys`), else one per
+    tile."""
+    return T.cast(T.if_then_else(few_keys,
                                  T.min(total, T.max(T.cast(sms, "int64"), T.int64(1))), total)
                   if persistent else total, "int32")
 
@@ -556,6 +555,12 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     exp2 = exp2_clamped if tile.clamp else T.exp2
 
     @T.macro
+    def rescale(acc, m):
+        """O times its rows' factors ``m[0:2]``."""
+        for i in T.unroll(NO * 4):
+            acc[i] = acc[i] * m[_lane_row(i, NO)]
+
+    @T.macro
     def load(buf, bars, tmap, j, g, full, hk, b, koff):
         """Key tile ``j`` of this query tile into ring slot ``g`` (counted over the block's
         query tiles); ``koff``: the sequence's first key row (packed sequences)."""
@@ -629,14 +634,12 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             pin(acc, NO * 4)
             if elected:
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EV + (g - 1) % ST]))
-        if tile.lazy_rescale:
+        if tile.lazy_rescale:  # only where a lane of the warp has a factor other than 1
             if T.cuda.func_call("tvmf_any_moved", m[0], m[1], source_code=_ANY_MOVED,
                                 return_type="int32") != 0:
-                for i in T.unroll(NO * 4):
-                    acc[i] = acc[i] * m[_lane_row(i, NO)]
+                rescale(acc, m)
         else:
-            for i in T.unroll(NO * 4):
-                acc[i] = acc[i] * m[_lane_row(i, NO)]
+            rescale(acc, m)
         for r in T.unroll(2):
             m[r] = mn[r]
         for i in T.unroll(NS * 4):
@@ -671,8 +674,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BM))
         heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
         total = T.meta_var(heads * nqt)  # query tiles
-        grid: T.let[T.int32] = _grid(total, sms, _walked(Lk, BM, BK, mods, window_left,
-                                                         window_right), tile.persistent)
+        grid: T.let[T.int32] = _grid(total, sms, _few_keys(Lk, BM, BK, mods, window_left,
+                                                           window_right), tile.persistent)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -1079,8 +1082,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BM))
         heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
         total = T.meta_var(heads * nqt)  # query tiles
-        grid: T.let[T.int32] = _grid(total, sms, _walked(Lk, BM, BK, mods, window_left,
-                                                         window_right), tile.persistent)
+        grid: T.let[T.int32] = _grid(total, sms, _few_keys(Lk, BM, BK, mods, window_left,
+                                                           window_right), tile.persistent)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
         bx = T.cta_id([grid])

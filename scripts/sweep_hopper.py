@@ -21,8 +21,8 @@ B·N = 16k tokens, hidden 2048, side by side in the same process with:
   score modifiers (window (37, 5), cap 5, random slopes; checked against the reference with
   the same; ``cuda_hopper.MODS_WRITTEN``), timed with a (1024, 0) window, a cap of 30 and
   ALiBi's geometric slopes (TFLOP/s count the whole N^2: compare times with the plain key's
-  row); ``--tiles`` may name them (``"fwd:128:softcap"``). ``--varlen`` adds the forward for packed
-  sequences (``cuda_hopper.VARLEN_WRITTEN``), checked per sequence of a packed batch with an
+  row); ``--tiles`` may name them (``"fwd:128:softcap"``). ``--varlen`` adds the forward for
+  packed sequences (``cuda_hopper.VARLEN_WRITTEN``), checked per sequence of a packed batch with an
   empty query sequence, one without keys and Lq != Lk.
 
     python scripts/sweep_hopper.py --head-dims 64,128 --dtypes bf16 --out results.json
@@ -108,20 +108,25 @@ WINDOW, CAP = (37, 5), 5.0  # the score modifiers' values a sweep checks with
 TIMED_WINDOW, TIMED_CAP = (1024, 0), 30.0  # and times with (scripts/bench_features.py's)
 
 
+def _mod_args(key, q, k, slopes, window, cap) -> tuple:
+    """The kernel's trailing score-modifier arguments (``tvm_flash.opspec.MOD_ARGS``): the
+    slopes, the window's extents (``Lq + Lk``: unbounded) and the cap (1 without one)."""
+    lq, lk = q.shape[2], k.shape[2]
+    left, right = (min(w, lq + lk) for w in window) if key.window else (lq + lk, lq + lk)
+    return (slopes, left, right, cap if key.softcap else 1.0)
+
+
 def _mods(key, q, k):
-    """The key's score modifiers for a check: the kernel's trailing arguments
-    (``tvm_flash.opspec.MOD_ARGS``) and the reference's keyword arguments."""
+    """The key's score modifiers for a check: the kernel's trailing arguments and the
+    reference's keyword arguments."""
     import torch
 
     if not key.mods:
         return (), {}
-    b, hq, lq, _ = q.shape
-    lk = k.shape[2]
-    slopes = torch.rand(b, hq, device=q.device) * 0.3
+    slopes = torch.rand(*q.shape[:2], device=q.device) * 0.3
     ref = {"window": WINDOW if key.window else None, "softcap": CAP if key.softcap else 0.0,
            "alibi_slopes": slopes if key.alibi else None}
-    left, right = (min(w, lq + lk) for w in WINDOW) if key.window else (lq + lk, lq + lk)
-    return (slopes, left, right, CAP if key.softcap else 1.0), ref
+    return _mod_args(key, q, k, slopes, WINDOW, CAP), ref
 
 
 def _timed_mods(key, q, k) -> tuple:
@@ -131,11 +136,9 @@ def _timed_mods(key, q, k) -> tuple:
 
     if not key.mods:
         return ()
-    b, hq, lq, _ = q.shape
-    lk = k.shape[2]
+    b, hq = q.shape[:2]
     slopes = torch.exp2(-8 * torch.arange(1, hq + 1, device=q.device) / hq).expand(b, hq)
-    left, right = TIMED_WINDOW if key.window else (lq + lk, lq + lk)
-    return (slopes.contiguous(), left, right, TIMED_CAP if key.softcap else 1.0)
+    return _mod_args(key, q, k, slopes.contiguous(), TIMED_WINDOW, TIMED_CAP)
 
 
 def _reference(q, k, v, causal, scale, sinks, **mods):
@@ -418,9 +421,10 @@ def timing_backward(fn, key, n: int, device, fused: bool = False) -> dict:
             fn(q, k, v, do, lse, delta, *outs, scale, acc, sem)
             dq.copy_(acc[:, :, :n] * scale)
     else:
+        extra = _timed_mods(key, q, k)
+
         def call():
             fn(q, k, v, do, lse, delta, *outs, scale, *extra)
-    extra = _timed_mods(key, q, k)
     ms = do_bench(call, warmup=50, rep=300, return_mode="median")
     return {"ours": flops / ms / 1e9, "ms": ms}
 

@@ -288,9 +288,10 @@ def _load(key: KernelKey):
 
 def has(key: KernelKey) -> bool:
     """Whether an artifact directory (:func:`lookup`; not the JIT cache) lists ``key``. The
-    runtime asks it of a length bucket's build (``tvm_flash.plan``): those exist only where
-    ``scripts/build.py`` made one (from a tuning log for the bucket, or where the schedule's
-    default for the bucket differs: ``schedules.own_default``), never built on first use."""
+    runtime asks it of a length bucket's build (``tvm_flash.plan``): one made by
+    ``scripts/build.py`` (from a tuning log for the bucket, or where the schedule's default
+    for the bucket differs: ``schedules.own_default``); a bucket built just in time is in the
+    JIT cache, not here."""
     for _, directory in lookup(key.target):
         manifest = _manifest(directory)
         if manifest is not None and key.name in manifest["kernels"]:
