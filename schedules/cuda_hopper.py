@@ -111,9 +111,6 @@ _TMA = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::by
 # of it past ``fence`` (TVM 0.27's ``T.cuda.wgmma.noop_barrier`` is broken: shared/hopper/NOTES).
 _PIN = '#define TVMF_PIN(r) asm volatile("" : "+f"(r) :: "memory")\n'
 _PIN_U32 = '#define TVMF_PIN_U32(r) asm volatile("" : "+r"(r) :: "memory")\n'
-# whether any lane of the warp has a row whose max moved (a rescale factor other than 1)
-_ANY_MOVED = ("__forceinline__ __device__ int tvmf_any_moved(float a, float b) {\n"
-              "  return __any_sync(0xffffffffu, a != 1.0f || b != 1.0f);\n}\n")
 SWIZZLE = {128: 3, 64: 2}  # descriptor and tensor-map codes of the 128/64-byte swizzles
 
 
@@ -140,10 +137,10 @@ class HopperTile:
     worth a non-deterministic mode (docs/journal/2026-12-01-hopper.md). ``tanh`` (keys
     with a soft cap): the form of the cap's tanh (``kernels.common.TANH_FORMS``); not a tuning
     variant (it changes the results), to be taken only where it measures within the error
-    bounds and faster (docs/journal/2026-12-01-features.md). ``clamp`` off and
-    ``lazy_rescale`` (forward): the softmax's exponent unclamped, O rescaled only where a row's
-    max moved (:func:`flash_forward`'s ``softmax``) — variants to measure on the H200 before
-    either becomes the default."""
+    bounds and faster (docs/journal/2026-12-01-features.md). ``clamp`` (the forward's is off,
+    :func:`tile`): the softmax's exponent clamped at 0 (``exp2_clamped``) or not (a score is
+    at most its row's max, so the argument is above 0 only by a rounding: P at most
+    1 + 2^-23); dQ and dK/dV keep the clamp (their exponents come from the LSE)."""
 
     consumers: int = 2
     step: int = 128
@@ -154,7 +151,6 @@ class HopperTile:
     ordered: bool = True
     tanh: str = "exp2"
     clamp: bool = True
-    lazy_rescale: bool = False
 
     @property
     def rows(self) -> int:
@@ -259,15 +255,26 @@ def tile(key: KernelKey) -> HopperTile:
             # causal N 1024 / 4096 / 16384: 187 / 276 / 345 -> 225 / 324 / 366 TFLOP/s;
             # unmasked 279 / 375 / 409 -> 279 / 337 / 360, so not there
             return HopperTile(consumers=3, step=32, stages=3)
+        if d == 64 and key.lengths == 1024 and plain:
+            # calls up to 1024 long: 96-query steps leave a third of the last step empty at
+            # N 512; H200, bf16, the kernel alone, unmasked N 512 / 1024: 214 / 279 -> 228 /
+            # 288 TFLOP/s with 128 (64: 229 / 282)
+            return dataclasses.replace(chosen, step=128)
         return chosen
     # persistent where ptxas keeps it in registers and it was measured faster (D 96, 160-224
     # spill 4-200 bytes with the tile loop; D 256 causal N 512 / 1024 +8 / +5%, unmasked
     # 0 / -4%)
     # packed sequences: one block per (sequence, head, tile), never persistent
+    # the scores' exp2 unclamped (HopperTile.clamp): H200, bf16, TFLOP/s clamped -> not,
+    # N 1024 / 4096 / 16384, D 64 unmasked 357 -> 368, 439 -> 443, 487 -> 478, causal 213 ->
+    # 219, 339 -> 343, 439 -> 451; D 128 unmasked 455 -> 464, 535 -> 552, 577 -> 594, causal
+    # 288 -> 291, 433 -> 431, 538 -> 531 (+1.4% on average, two fewer instructions a score;
+    # O rescaled lazily lost 1-8%: docs/journal/2026-12-01-hopper.md, tenth session)
     return HopperTile(consumers=_fwd_consumers(key) if plain else 2,
                       step=128 if d <= 160 else 96 if d == 192 else 64,
                       persistent=not key.varlen and (
-                          d in (32, 64, 128) or d == 256 and key.causal != "none"))
+                          d in (32, 64, 128) or d == 256 and key.causal != "none"),
+                      clamp=False)
 
 
 def _fwd_consumers(key: KernelKey) -> int:
@@ -555,12 +562,6 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     exp2 = exp2_clamped if tile.clamp else T.exp2
 
     @T.macro
-    def rescale(acc, m):
-        """O times its rows' factors ``m[0:2]``."""
-        for i in T.unroll(NO * 4):
-            acc[i] = acc[i] * m[_lane_row(i, NO)]
-
-    @T.macro
     def load(buf, bars, tmap, j, g, full, hk, b, koff):
         """Key tile ``j`` of this query tile into ring slot ``g`` (counted over the block's
         query tiles); ``koff``: the sequence's first key row (packed sequences)."""
@@ -601,9 +602,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         registers it read. Score modifiers (``ma``: their arguments, the slope in a register)
         rewrite S_j in base 2 first; under a window the key tiles are counted from ``c[6]``
         and a step is masked where it crosses an edge (:func:`_mask_needed`).
-        ``tile.clamp`` off: exp2 of the scores unclamped (they are at most the row max, so
-        above 0 only by a rounding: P at most 1 + 2^-23); ``tile.lazy_rescale``: O rescaled
-        only where a row of the warp has a new max (a warp-uniform branch)."""
+        ``tile.clamp`` off: exp2 of the scores unclamped (``HopperTile``)."""
         k0 = T.meta_var((j + c[6] // BK) * BK if mods.window else j * BK)
         pin(s, NS * 4)
         if elected:
@@ -634,12 +633,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             pin(acc, NO * 4)
             if elected:
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EV + (g - 1) % ST]))
-        if tile.lazy_rescale:  # only where a lane of the warp has a factor other than 1
-            if T.cuda.func_call("tvmf_any_moved", m[0], m[1], source_code=_ANY_MOVED,
-                                return_type="int32") != 0:
-                rescale(acc, m)
-        else:
-            rescale(acc, m)
+        for i in T.unroll(NO * 4):  # O times its rows' factors
+            acc[i] = acc[i] * m[_lane_row(i, NO)]
         for r in T.unroll(2):
             m[r] = mn[r]
         for i in T.unroll(NS * 4):
@@ -903,8 +898,8 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
                          "modifier")
     if not chosen.ordered and not chosen.dq:
         raise ValueError(f"{key.name}: tile {chosen}: only the fused dQ has an order to drop")
-    if (not chosen.clamp or chosen.lazy_rescale) and key.op != "fwd":
-        raise ValueError(f"{key.name}: tile {chosen}: clamp and lazy_rescale are the forward's")
+    if not chosen.clamp and key.op != "fwd":
+        raise ValueError(f"{key.name}: tile {chosen}: the unclamped exp2 is the forward's")
     if chosen.tanh not in TANH_FORMS:
         raise ValueError(f"{key.name}: tile {chosen}: tanh must be one of {TANH_FORMS}")
     if chosen.tanh != "exp2" and not key.softcap:

@@ -214,11 +214,12 @@ def test_committed_logs_load():
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
 def test_build_applies_a_committed_hopper_log(tmp_path):
-    """build.py cross-compiles the H200 forward log's variant on a GPU-less host and says so."""
-    key = KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a")
+    """build.py cross-compiles an H200 log's variant (the D 64 dK/dV's) on a GPU-less host and
+    says so."""
+    key = KernelKey("dkv", 64, "bfloat16", "none", 1, "cuda-sm_90a")
     assert (ROOT / "tuning_logs" / key.target / key.name / "summary.json").exists()
     res = subprocess.run([sys.executable, str(ROOT / "scripts" / "build.py"), "--target",
-                          "cuda:sm_90a", "--head-dims", "128", "--dtypes", "bf16", "--causal",
+                          "cuda:sm_90a", "--head-dims", "64", "--dtypes", "bf16", "--causal",
                           "none", "--out", str(tmp_path)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
     line = next(x for x in res.stdout.splitlines() if f" {key.name} " in x)
@@ -249,6 +250,12 @@ def test_length_buckets_with_a_default_of_their_own_are_built():
     assert "its own" in build._how(short, None)
     tiles = [schedules.variants("cuda", k)[0]["consumers"] for k in (causal, short, plain)]
     assert tiles == [3, 2, 3]
+    # dK/dV at D 64 unmasked: 128-query steps for calls up to 1024 long, 96 beyond
+    dkv = KernelKey("dkv", 64, "bfloat16", "none", 1, "cuda-sm_90a")
+    dkv_short = dataclasses.replace(dkv, lengths=1024)
+    assert schedules.own_default("cuda", dkv_short)
+    assert build.own_buckets([dkv], {}) == [dkv_short]
+    assert [schedules.variants("cuda", k)[0]["step"] for k in (dkv, dkv_short)] == [96, 128]
 
 
 def test_just_in_time_calls_take_a_bucket_with_a_default_of_its_own(monkeypatch):

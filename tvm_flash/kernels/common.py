@@ -348,7 +348,7 @@ def pin_sequence(name, buf, cu_q, cu_k, s):
         buf[3] = T.cast(cu_k[s + 1] - cu_k[s], "int64")
 
 
-MERGE_BATCH = 4
+MERGE_BATCH = 16
 """Key splits a merge kernel's thread reads at once (``forward.flash_forward_merge``,
 ``backward.flash_dq_merge``): their loads overlap, the sums keep the split order."""
 
