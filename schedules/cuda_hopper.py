@@ -1505,7 +1505,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         # ---------------------------------------------------- the 5-GEMM form (tile.dq)
         NQ = (D // 2) // 8  # n8 chunks of a consumer's half of the dQ tile's columns
         mma_q = f"wgmma.mma_async.sync.aligned.m64n{D // 2}k16.f32.{ab}.{ab}"
-        DS_OWN, DS_BOTH, DQ_FULL, DQ_EMPTY = 1, 3, 4, 5  # named barriers (1 + cw: own dS^T)
+        DS_BOTH, DQ_FULL, DQ_EMPTY = 1, 2, 3  # named barriers (0 is __syncthreads')
         DQ_THREADS = NC * WG + 32  # the consumers and the writer warp
         dq_bytes = BQ * D * 4
 
@@ -1568,15 +1568,12 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                     dstw[db, cw, (key_row - row0 + r * 8) * 32
                          + (j ^ ((key_row - row0 + r * 8) % 8)) * 4 + lane % 4] = dsw[j * 2 + r]
             T.ptx.fence.proxy.async_.shared__cta()
-            T.ptx.barrier.sync.aligned(T.cast(DS_OWN + cw, "uint32"), WG)
-            pin(dk, NO * 4)
-            T.ptx.wgmma.fence.sync.aligned()
-            for kk in T.unroll(BQ // 16):  # dK += dS^T Q: A K-major from shared, Q MN-major
-                T.ptx[mma_o](*[dk[e] for e in range(NO * 4)], bdsk[0] + T.uint64(kk * 2),
-                             bqt[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 0, 1)
-            T.ptx.wgmma.commit_group.sync.aligned()
             T.ptx.barrier.sync.aligned(DS_BOTH, NC * WG)  # both halves of dS^T written
+            # dQ first, then dK: dQ's result goes to the writer through shared memory while
+            # dK still runs (FlashAttention-3's order; the tensor cores idled during that
+            # store when dK came first and the store waited for all three products)
             pin(dqa, NQ * 4)
+            pin(dk, NO * 4)
             T.ptx.wgmma.fence.sync.aligned()
             for kk in T.unroll(BN // 16):  # dQ[:, 64 cw ..] = dS K: both MN-major
                 T.ptx[mma_q](*[dqa[e] for e in range(NQ * 4)],
@@ -1584,11 +1581,12 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                              + T.uint64(kk % 4 * 16 * ROW),
                              bkq[0] + T.uint64(kk * 16 * ROW), T.bool(kk > 0), 1, 1, 1, 1)
             T.ptx.wgmma.commit_group.sync.aligned()
-            T.ptx.wgmma.wait_group.sync.aligned(0)  # dV, dK and dQ done: the stage is free
-            pin(dv, NO * 4)
-            pin(dk, NO * 4)
+            for kk in T.unroll(BQ // 16):  # dK += dS^T Q: A K-major from shared, Q MN-major
+                T.ptx[mma_o](*[dk[e] for e in range(NO * 4)], bdsk[0] + T.uint64(kk * 2),
+                             bqt[0] + T.uint64(kk * 16 * ROW), T.bool(True), 1, 1, 0, 1)
+            T.ptx.wgmma.commit_group.sync.aligned()
+            T.ptx.wgmma.wait_group.sync.aligned(1)  # dV and dQ done; dK may run on
             pin(dqa, NQ * 4)
-            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
             T.ptx.barrier.sync.aligned(DQ_EMPTY, DQ_THREADS)  # the writer is done with dqt
             for r in T.unroll(2):
                 for n in T.unroll(NQ):
@@ -1597,6 +1595,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                             + lane % 4 * 2 + e] = dqa[n * 4 + r * 2 + e]
             T.ptx.fence.proxy.async_.shared__cta()
             T.ptx.barrier.arrive.aligned(DQ_FULL, DQ_THREADS)
+            T.ptx.wgmma.wait_group.sync.aligned(0)  # dK done too: the stage is free
+            pin(dv, NO * 4)
+            pin(dk, NO * 4)
+            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
 
         @T.prim_func
         def flash_dkv_dq(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle,

@@ -199,9 +199,9 @@ def _fused_source(causal: str) -> str:
 @pytest.mark.parametrize("causal", ["none", "top-left"])
 def test_fused_dq_tile_lowers_and_adds_in_order(causal):
     """The fused dK/dV + dQ kernel lowers to wgmma (dS^T from shared memory, dQ's operands
-    both MN-major), adds its dQ tile by a bulk reduce once the tile's counter says the key
-    tiles before it have, and releases the counter after the add completed; it is built only
-    at D 128 and never selected by ``tile``."""
+    both MN-major; dQ before dK), adds its dQ tile by a bulk reduce once the tile's counter
+    says the key tiles before it have, and releases the counter after the add completed; it
+    is built only at D 128 and never selected by ``tile``."""
     src = _fused_source(causal)
     _register_handoff_fits(src)
     for needle in ("wgmma.mma_async.sync.aligned.m64n64k16", "ld.acquire.gpu.global.b32",
@@ -212,6 +212,13 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
     # at the call sites (the last occurrences; the first are the helpers' definitions)
     assert (src.rindex("wait_group_0()") < src.rindex("fence_acq_rel_gpu()")
             < src.rindex("red_release_gpu_global_add_s32("))
+    # a step: dQ (both operands MN-major) issued before dK, and its result stored for the
+    # writer while dK runs (wait_group 1), the stage released after both (wait_group 0)
+    dq_at = src.rindex("m64n64k16_f32_bf16_bf16_1_1_1_1(")
+    dk_at = src.rindex("m64n128k16_f32_bf16_bf16_1_1_0_1(")
+    store_at = src.index("(uint)288", dk_at)  # DQ_EMPTY, then the store, then DQ_FULL
+    assert dq_at < dk_at < src.index("wait_group_sync_aligned_1()", dk_at) < store_at
+    assert store_at < src.index("wait_group_sync_aligned_0()", store_at)
     assert not any(hopper.tile(KernelKey("dkv", d, "bfloat16", causal, 1, "cuda-sm_90a")).dq
                    for d in hopper.OP_HEAD_DIMS["dkv"])
     with pytest.raises(ValueError, match="fused dQ"):
