@@ -22,7 +22,10 @@ On CUDA if present, else on the CPU (``--device`` overrides); ``--tiny`` shrinks
     TVM_FLASH_JIT=1 python scripts/bench_overhead.py --tiny --dtype fp32          # CPU
 
 ``--profile`` then shows, per row and case, where the time goes (torch.profiler: device
-kernels per call, host ops).
+kernels per call, host ops). ``--tensormaps`` times what the Hopper kernels add to each call
+on the host: encoding a TMA tensor map (``cuTensorMapEncodeTiled``, called from libcuda
+directly, the ctypes call's own cost measured on ``cuDriverGetVersion`` and taken off) —
+three maps a forward, four a dQ or dK/dV kernel (``schedules/cuda_hopper.py``, ``_tmap``).
 """
 
 from __future__ import annotations
@@ -138,6 +141,43 @@ def _call(shape, impl, layout, dtype, device):
     return fn
 
 
+TENSOR_MAPS = {"fwd": 3, "dq": 4, "dkv": 4}  # _tmap calls per Hopper kernel launch
+
+
+def tensormap_us(device, calls: int = 20000) -> float:
+    """Microseconds of one ``cuTensorMapEncodeTiled`` with the forward's arguments for K at
+    issue #20's small shape (bf16, D 64, 128 rows, 8 heads, batch 2; 64 x 128 boxes, 128-byte
+    swizzle), less the cost of a ctypes call into the driver."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    t = torch.empty(2, 8, 128, 64, dtype=torch.bfloat16, device=device)
+    tmap = (ctypes.c_uint64 * 16)()  # CUtensorMap: 128 bytes, 64-byte aligned by ctypes' heap
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    dims = (u64 * 4)(64, 128, 8, 2)
+    strides = (u64 * 3)(64 * 2, 128 * 64 * 2, 8 * 128 * 64 * 2)
+    box, one = (u32 * 4)(64, 128, 1, 1), (u32 * 4)(1, 1, 1, 1)
+    bf16, swizzle_128b, l2_128b = 9, 3, 2  # CUtensorMapDataType, ...Swizzle, ...L2promotion
+    args = (ctypes.byref(tmap), bf16, 4, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
+            one, 0, swizzle_128b, l2_128b, 0)
+    encode = cuda.cuTensorMapEncodeTiled
+    err = encode(*args)
+    if err != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled returned CUresult {err}")
+    version = ctypes.c_int()
+
+    def per_call(fn, *a):
+        runs = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(*a)
+            runs.append((time.perf_counter() - start) / calls)
+        return statistics.median(runs) * 1e6
+
+    return per_call(encode, *args) - per_call(cuda.cuDriverGetVersion, ctypes.byref(version))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
@@ -149,8 +189,17 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile", action="store_true",
                    help="then profile each row in each case (torch.profiler)")
+    p.add_argument("--tensormaps", action="store_true",
+                   help="also time the TMA tensor maps the Hopper kernels encode per call")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tmap_us = None
+    if args.tensormaps:
+        if device.type != "cuda":
+            raise SystemExit("--tensormaps: needs a CUDA device")
+        tmap_us = tensormap_us(device)
+        print(f"# cuTensorMapEncodeTiled: {tmap_us:.2f} us a map; per launch "
+              + ", ".join(f"{op} {n * tmap_us:.2f} us" for op, n in TENSOR_MAPS.items()))
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     shapes = TINY if args.tiny else SHAPES
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -174,7 +223,7 @@ def main(argv=None):
                 "iters": args.iters, "repeats": args.repeats,
                 "shapes": {c: dict(zip(("B", "Hq", "Hkv", "Lq", "Lk", "D", "causal",
                                         "backward"), s, strict=True))
-                           for c, s in shapes.items()}}
+                           for c, s in shapes.items()}, "tensormap_us": tmap_us}
         pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "us_per_call": results},
                                                      indent=1))
         print(f"wrote {args.out}")
