@@ -140,7 +140,11 @@ class HopperTile:
     bounds and faster (docs/journal/2026-12-01-features.md). ``clamp`` (the forward's is off,
     :func:`tile`): the softmax's exponent clamped at 0 (``exp2_clamped``) or not (a score is
     at most its row's max, so the argument is above 0 only by a rounding: P at most
-    1 + 2^-23); dQ and dK/dV keep the clamp (their exponents come from the LSE)."""
+    1 + 2^-23). dQ and dK/dV with ``clamp`` off: P = exp2(S scale log2 e - LSE log2 e), one
+    FFMA a score on the LSE scaled once where it is loaded, unclamped (P at most 1 + 2^-23 by
+    the same argument; +inf LSE still gives 0) — instead of a multiply, a subtraction, a
+    multiply and the clamp's compare and select: a variant to measure on the H200 before it
+    becomes their default."""
 
     consumers: int = 2
     step: int = 128
@@ -898,8 +902,6 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
                          "modifier")
     if not chosen.ordered and not chosen.dq:
         raise ValueError(f"{key.name}: tile {chosen}: only the fused dQ has an order to drop")
-    if not chosen.clamp and key.op != "fwd":
-        raise ValueError(f"{key.name}: tile {chosen}: the unclamped exp2 is the forward's")
     if chosen.tanh not in TANH_FORMS:
         raise ValueError(f"{key.name}: tile {chosen}: tanh must be one of {TANH_FORMS}")
     if chosen.tanh != "exp2" and not key.softcap:
@@ -988,6 +990,10 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         """P of element ``i`` of a complete S (``_prob`` unguarded) of its modified score
         (``s * scale`` itself without a soft cap or ALiBi; ``ma.slopes[0, 0]``: the tile's
         slope)."""
+        if not tile.clamp:  # the LSE in base 2 (scaled where loaded): one FFMA a score
+            return T.exp2(modified_score(s[i], scale, mods, ma, causal, 0, 0,
+                                         row + i % 4 // 2 * 8, k0 + lane % 4 * 2, Lq, Lk,
+                                         -(i // 4 * 8 + i % 2), unit=LOG2E) - lse[i % 4 // 2])
         score = modified_score(s[i], scale, mods, ma, causal, 0, 0, row + i % 4 // 2 * 8,
                                k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2))
         return exp2_clamped((score - lse[i % 4 // 2]) * T.float32(LOG2E))
@@ -1196,6 +1202,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                         delta[r] = Delta[c[0], c[1], lrow]
                         if lse[r] == neg_inf():
                             lse[r] = pos_inf()
+                        if not tile.clamp:  # base 2, for prob's single FFMA
+                            lse[r] = lse[r] * T.float32(LOG2E)
                 T.cuda.mbarrier_wait(T.address_of(bars[0]), it % 2)
                 n = T.meta_var(c[4])
                 g = T.meta_var(c[5])
@@ -1302,6 +1310,11 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         itself without a soft cap or ALiBi; ``ma.slopes[0, 0]``: the step's query head's
         slope)."""
         lse = stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2]
+        if not tile.clamp:  # the LSE in base 2 (stat_row): one FFMA a score
+            return T.exp2(modified_score(st[e], scale, mods, ma, causal, 0, 0,
+                                         q0 + lane % 4 * 2, key_row, Lq, Lk,
+                                         e // 4 * 8 + e % 2 - e % 4 // 2 * 8, unit=LOG2E)
+                          - lse)
         score = modified_score(st[e], scale, mods, ma, causal, 0, 0, q0 + lane % 4 * 2,
                                key_row, Lq, Lk, e // 4 * 8 + e % 2 - e % 4 // 2 * 8)
         return exp2_clamped((score - lse) * T.float32(LOG2E))
@@ -1447,7 +1460,9 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         grow = T.meta_var(w[0] + r + sq[0] if varlen else w[0] + r)
         if w[0] + r < (sq[1] if varlen else Lq):
             if LSE[c[0], w[1], grow] != neg_inf():
-                stats[sg, 0, r] = LSE[c[0], w[1], grow]
+                # base 2 for prob_t's single FFMA where the exp2 is unclamped
+                stats[sg, 0, r] = (LSE[c[0], w[1], grow] if tile.clamp
+                                   else LSE[c[0], w[1], grow] * T.float32(LOG2E))
                 stats[sg, 1, r] = Delta[c[0], w[1], grow]
 
     @T.macro

@@ -225,6 +225,30 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
         hopper.kernel(KernelKey("dkv", 64, "bfloat16", causal, 1, "cuda-sm_90a"), FUSED)
 
 
+@pytest.mark.parametrize("op", ["dq", "dkv"])
+@pytest.mark.parametrize("mods", [{}, {"softcap": True, "alibi": True}])
+def test_backward_probabilities_in_one_ffma(op, mods):
+    """dQ and dK/dV with ``HopperTile.clamp`` off (a variant; their default keeps the clamp):
+    P from the LSE scaled to base 2 where it is loaded — the same exp2 calls, no clamp's
+    selects, fewer multiplies by log2 e — with or without score modifiers."""
+    key = KernelKey(op, 128, "bfloat16", "top-left", 1, "cuda-sm_90a", **mods)
+    default = hopper.tile(key)
+    assert default.clamp
+    base = _source(key)
+    variant = hopper.kernel(key, dataclasses.replace(default, clamp=False))
+    with tvm.transform.PassContext(config=pass_config("cuda")):
+        built = tvm.tirx.build(tvm.IRModule({"main": variant}), target=make_target(key.target),
+                               pipeline="tirx")
+    src = device_source(built)
+    # (the clamp's select repeats its argument in the source text: a soft cap's tanh, with
+    # its own exp2, appears twice there; nvcc computes it once)
+    assert src.count("exp2f(") == base.count("exp2f(") or mods and (
+        src.count("exp2f(") < base.count("exp2f("))
+    if not mods:  # (with them the folded cap and slope repeat log2 e in the text)
+        assert src.count("1.442695") < base.count("1.442695")
+    assert src.count("condval") < base.count("condval") or src.count("?") < base.count("?")
+
+
 def test_score_modifiers_served_where_checked():
     """Hopper kernels with window, soft cap and ALiBi and for packed sequences run where they
     passed against float64 on the H200 (``cuda_hopper.MODS_SERVED``); at the other head dims,
@@ -268,8 +292,7 @@ def test_tanh_forms_of_the_soft_cap(op):
 
 def test_forward_exp2_unclamped():
     """The forward's default exp2 is unclamped (``HopperTile.clamp`` off: a compare and a
-    select fewer a score than the clamped variant, the same exp2 calls); only the forward may
-    drop the clamp."""
+    select fewer a score than the clamped variant, the same exp2 calls)."""
     key = KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a")
     default = hopper.tile(key)
     assert not default.clamp
@@ -281,6 +304,4 @@ def test_forward_exp2_unclamped():
     src = device_source(built)
     assert src.count("exp2f(") == base.count("exp2f(")
     assert base.count("condval") < src.count("condval") or base.count("?") < src.count("?")
-    dq = KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a")
-    with pytest.raises(ValueError, match="the forward's"):
-        hopper.kernel(dq, dataclasses.replace(hopper.tile(dq), clamp=False))
+

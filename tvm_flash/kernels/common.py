@@ -203,22 +203,28 @@ def tanh(x, form: str = "exp2"):
 
 
 def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk,
-                   offset=0):
+                   offset=0, unit: float = 1.0):
     """The scaled score ``s * scale`` (natural-log units) with ``mods``' soft cap and ALiBi
     bias (:data:`tvm_flash.key.MODS`); ``h``: the query head (its slope). ``offset``: a
     constant added to the query's distance from the key, ``row + diagonal - col``: a kernel
     whose thread holds many elements passes the positions they share as ``row`` and ``col``
     and their constant difference as ``offset``, so that the integer distance is converted to
     float once per row instead of once per element (int64 to float32 conversions run at a
-    sixteenth of the FMA rate)."""
-    t = s * scale
+    sixteenth of the FMA rate). ``unit``: the result times this (``LOG2E``: base 2, an exp2's
+    argument), folded into the scale, cap and slope, which a kernel computes once, instead
+    of one more multiply a score."""
+
+    def times_unit(x):
+        return x if unit == 1.0 else x * T.float32(unit)
+
+    t = s * times_unit(scale)
     if mods.softcap:
-        t = tanh(s * (scale / ma.cap), mods.tanh) * ma.cap
+        t = tanh(s * (scale / ma.cap), mods.tanh) * times_unit(ma.cap)
     if mods.alibi:
         distance = T.cast(row + diagonal(causal, lq, lk) - col, "float32")
         if not isinstance(offset, int) or offset:  # an unrolled loop's index: a constant
             distance = distance + T.cast(offset, "float32")
-        t = t - ma.slopes[b, h] * T.fabs(distance)
+        t = t - times_unit(ma.slopes[b, h]) * T.fabs(distance)
     return t
 
 
