@@ -238,8 +238,9 @@ def tile(key: KernelKey) -> HopperTile:
     stages; 128-key steps up to D 160, fewer above, where O's D / 2 registers a thread crowd
     out S and P (D 256: 128 + 32 + 16) and the K/V ring outgrows shared memory. D 64 and 128
     from an H200 sweep (docs/perf.md, "Hopper forward"): at D 128 bf16 N 4096 532 TFLOP/s
-    against 523 with three stages, 532 with 176-key steps (which spill) and 432 for the best
-    tile without the producer warpgroup."""
+    against 523 with three stages, 532 with 176-key steps (which spilled then; with the exp2
+    unclamped, ptxas keeps 144-192-key steps in registers unmasked: to measure) and 432 for
+    the best tile without the producer warpgroup."""
     d = key.head_dim
     # a soft cap or ALiBi rewrites every score in registers (dK/dV under a cap also keeps
     # 1 - tanh^2 beside S^T): shorter steps keep them in registers (ptxas, bf16 unmasked:
