@@ -106,6 +106,7 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 OP_HEAD_DIMS = {"fwd": HEAD_DIMS, "dq": HEAD_DIMS, "dkv": HEAD_DIMS}
 _PTX = {"float16": "f16", "bfloat16": "bf16"}
 _TMA = "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_TMA_STORE = "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group"
 # ``asm volatile("" : "+f"(r))``: pins an accumulator register in place around wgmma's
 # asynchronous writes, so the compiler neither reads it before ``wait_group`` nor moves a write
 # of it past ``fence`` (TVM 0.27's ``T.cuda.wgmma.noop_barrier`` is broken: shared/hopper/NOTES).
@@ -144,7 +145,10 @@ class HopperTile:
     FFMA a score on the LSE scaled once where it is loaded, unclamped (P at most 1 + 2^-23 by
     the same argument; +inf LSE still gives 0) — instead of a multiply, a subtraction, a
     multiply and the clamp's compare and select: a variant to measure on the H200 before it
-    becomes their default."""
+    becomes their default. ``tma_store`` (forward, head dims that are multiples of 64, not
+    packed sequences): O goes out through shared memory, one bulk tensor store per consumer
+    and atom, which in a persistent grid overlaps the next tile's first products — a variant
+    to measure."""
 
     consumers: int = 2
     step: int = 128
@@ -155,6 +159,7 @@ class HopperTile:
     ordered: bool = True
     tanh: str = "exp2"
     clamp: bool = True
+    tma_store: bool = False
 
     @property
     def rows(self) -> int:
@@ -167,8 +172,9 @@ class HopperTile:
     def smem_bytes(self, d: int, op: str = "fwd") -> int:
         """Forward: Q tile + the K/V ring; dQ: Q and dO tiles + the K/V ring; dK/dV: K and V
         tiles + the Q/dO ring and its LSE/Delta; + 8 bytes per mbarrier (rounded to 1 KiB)."""
-        if op == "fwd":
-            tiles = 2 * d * (self.rows + 2 * self.stages * self.step)
+        if op == "fwd":  # (tma_store: O's tile)
+            tiles = 2 * d * (self.rows * (2 if self.tma_store else 1)
+                             + 2 * self.stages * self.step)
         else:
             tiles = 2 * d * (2 * self.rows + 2 * self.stages * self.step)
             if op == "dkv":  # LSE and Delta rows; split: P^T's words, 4 bytes x 128 threads
@@ -554,7 +560,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     q_bytes, kv_bytes = BM * D * 2, BK * D * 2
     k_off = q_bytes
     v_off = k_off + ST * kv_bytes
-    bar_off = v_off + ST * kv_bytes
+    o_off = v_off + ST * kv_bytes  # tile.tma_store: O's tile, 64 rows a consumer
+    TS = tile.tma_store
+    bar_off = o_off + (BM * D * 2 if TS else 0)
     NB = 2 + 4 * ST  # Q full; K full, V full, K empty, V empty per stage; Q empty
     pool_bytes = bar_off + 8 * NB
     # descriptor strides (16-byte units): K-major Q and K, 8-row groups 8 ROW apart (SBO);
@@ -682,6 +690,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         _tmap(kmap, K, ATOM, BK, SW)
         vmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(vmap, V, ATOM, BK, SW)
+        omap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        if TS:
+            _tmap(omap, O, ATOM, 64, SW)
         T.device_entry()
         # one block per SM: the register cap that setmaxnreg redistributes
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
@@ -696,6 +707,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                            scope="shared.dyn")
         bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
                              scope="shared.dyn")
+        Os = T.decl_buffer((NC, NA, 64, ATOM), dtype, data=pool.data, elem_offset=o_off // 2,
+                           scope="shared.dyn")
         Of = T.decl_buffer((B * ob,), dtype, data=O.data)
         # b, h, kv head, q0, key tiles of the query tile; ring slots used by the ones before
         c = T.alloc_buffer((7 if mods.window else 6,), "int64", scope="local")
@@ -818,17 +831,46 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                     quad_reduce(lsum, r, T.Add)
                     mn[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
                                            T.float32(1) / lsum[r])
+                if TS:
+                    # O into this consumer's shared tile, swizzled as the tensor map reads
+                    # it (16-byte chunk j of row r at chunk j ^ (r % 8)), then one bulk
+                    # store per atom; rows past Lq are outside the map and not written. The
+                    # tile is rewritten only once the last tile's store has read it.
+                    orl = T.meta_var(tx % WG // 32 * 16 + lane // 4)  # + 8 r
+                    if it > 0:
+                        if elected:
+                            T.ptx["cp.async.bulk.wait_group.read"](0)
+                        T.ptx.barrier.sync.aligned(T.cast(1 + cw, "uint32"), WG)
+                    for r in T.unroll(2):
+                        for n in T.unroll(NO):
+                            for e in T.vectorized(2):
+                                Os[cw, n * 8 // ATOM, orl + r * 8,
+                                   (n % (ATOM // 8) ^ (lane // 4 + r * 8) % 8) * 8
+                                   + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e] * mn[r],
+                                                                dtype)
+                    T.ptx.fence.proxy.async_.shared__cta()
+                    T.ptx.barrier.sync.aligned(T.cast(1 + cw, "uint32"), WG)
+                    if elected:
+                        for a in T.unroll(NA):
+                            T.ptx[_TMA_STORE](T.address_of(omap), a * ATOM,
+                                              T.cast(c[3] + cw * 64, "int32"),
+                                              T.cast(c[1], "int32"), T.cast(c[0], "int32"),
+                                              T.address_of(Os[cw, a, 0, 0]))
+                        T.ptx["cp.async.bulk.commit_group"]()
                 for r in T.unroll(2):
                     if row + r * 8 < (sq[1] if varlen else Lq):
                         orow = T.meta_var(row + r * 8 + sq[0] if varlen else row + r * 8)
-                        for n in T.unroll(NO):
-                            for e in T.vectorized(2):
-                                Of[c[0] * ob + c[1] * oh + orow * ol + n * 8
-                                   + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e] * mn[r],
-                                                                dtype)
+                        if not TS:
+                            for n in T.unroll(NO):
+                                for e in T.vectorized(2):
+                                    Of[c[0] * ob + c[1] * oh + orow * ol + n * 8
+                                       + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e]
+                                                                    * mn[r], dtype)
                         if lane % 4 == 0:
                             LSE[c[0], c[1], orow] = row_lse(m[r], lsum[r])
                 c[5] = c[5] + c[4]
+            if TS and elected:  # the shared tile outlives its last store's reads
+                T.ptx["cp.async.bulk.wait_group.read"](0)
 
     return trim_params(flash_fwd, mods, varlen)
 
@@ -903,6 +945,9 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
                          "modifier")
     if not chosen.ordered and not chosen.dq:
         raise ValueError(f"{key.name}: tile {chosen}: only the fused dQ has an order to drop")
+    if chosen.tma_store and (key.op != "fwd" or key.varlen or atom(key.head_dim) != 64):
+        raise ValueError(f"{key.name}: tile {chosen}: the bulk store of O is the forward's, at "
+                         "head dims that are multiples of 64, without packed sequences")
     if chosen.tanh not in TANH_FORMS:
         raise ValueError(f"{key.name}: tile {chosen}: tanh must be one of {TANH_FORMS}")
     if chosen.tanh != "exp2" and not key.softcap:

@@ -225,6 +225,37 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
         hopper.kernel(KernelKey("dkv", 64, "bfloat16", causal, 1, "cuda-sm_90a"), FUSED)
 
 
+def test_forward_bulk_store_of_o():
+    """``HopperTile(tma_store=True)`` (a forward variant): O leaves through a shared tile per
+    consumer, one bulk tensor store per 64-column atom, after a proxy fence and the consumer's
+    named barrier; in a persistent grid the tile is rewritten only after the previous store
+    read it, and the block waits for its last store's reads before it ends. Not for dQ or
+    dK/dV, packed sequences, or 32-column atoms."""
+    key = KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a")
+    default = hopper.tile(key)
+    assert not default.tma_store and default.persistent
+    variant = hopper.kernel(key, dataclasses.replace(default, tma_store=True))
+    with tvm.transform.PassContext(config=pass_config("cuda")):
+        built = tvm.tirx.build(tvm.IRModule({"main": variant}), target=make_target(key.target),
+                               pipeline="tirx")
+    src = device_source(built)
+    store = "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group"
+    assert store in src and store not in _source(key)
+    body = src[src.index("extern \"C\" __global__"):]
+    calls = [m.start() for m in re.finditer(r"bulk_tensor_s2g\w*\(", body)]
+    assert len(calls) == 128 // 64
+    fence = [m.start() for m in re.finditer(r"fence_proxy\w*shared__cta\(\)",
+                                            body[:calls[0]])][-1]
+    assert body.rindex("barrier_sync_count_sync_aligned(", 0, calls[0]) > fence
+    reads = [m.start() for m in re.finditer(r"wait_group_read_0\(\)", body)]
+    assert len(reads) == 2 and reads[0] < fence < calls[0] < reads[1]
+    for bad in (KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a"),
+                KernelKey("fwd", 96, "bfloat16", "none", 1, "cuda-sm_90a"),
+                KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a", varlen=True)):
+        with pytest.raises(ValueError, match="bulk store"):
+            hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), tma_store=True))
+
+
 @pytest.mark.parametrize("op", ["dq", "dkv"])
 @pytest.mark.parametrize("mods", [{}, {"softcap": True, "alibi": True}])
 def test_backward_probabilities_in_one_ffma(op, mods):
