@@ -122,6 +122,16 @@ def atom(d: int) -> int:
     return 64 if d % 64 == 0 else 32
 
 
+PERSISTENT_MAX_KEYS = 1024
+"""A persistent forward (or dQ) launches one block per SM up to this many keys (Lk), one
+block per query tile above: a block's fixed costs (barriers, the first loads, the output's
+stores) weigh most where it has few keys to walk, and with more the fixed assignment of tiles
+to blocks loses to the hardware's (H200, bf16, forward TFLOP/s one block per tile -> per
+SM, causal: D 64 N 512 132 -> 167, N 1024 207 -> 239, N 16384 405 -> 388; D 128 N 512 170 ->
+204, N 1024 260 -> 287, N 4096 435 -> 430, N 16384 548 -> 519; unmasked D 128 N 512 315 ->
+364, N 16384 585 -> 570)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class HopperTile:
     """``consumers`` warpgroups of 64 rows each (plus the producer warpgroup); ``step`` rows of
@@ -148,7 +158,9 @@ class HopperTile:
     becomes their default. ``tma_store`` (forward, head dims that are multiples of 64, not
     packed sequences): O goes out through shared memory, one bulk tensor store per consumer
     and atom, which in a persistent grid overlaps the next tile's first products — a variant
-    to measure."""
+    to measure. ``persistent_keys``: the longest key walk for which a persistent tile keeps one
+    block per SM (:data:`PERSISTENT_MAX_KEYS`); more, to measure persistence with the bulk
+    store."""
 
     consumers: int = 2
     step: int = 128
@@ -160,6 +172,7 @@ class HopperTile:
     tanh: str = "exp2"
     clamp: bool = True
     tma_store: bool = False
+    persistent_keys: int = PERSISTENT_MAX_KEYS
 
     @property
     def rows(self) -> int:
@@ -402,14 +415,6 @@ def _tmap(m, buf, box_cols: int, box_rows: int, swizzle: int):
                          0, swizzle, 2, 0)
 
 
-PERSISTENT_MAX_KEYS = 1024
-"""A persistent forward (or dQ) launches one block per SM up to this many keys (Lk), one
-block per query tile above: a block's fixed costs (barriers, the first loads, the output's
-stores) weigh most where it has few keys to walk, and with more the fixed assignment of tiles
-to blocks loses to the hardware's (H200, bf16, forward TFLOP/s one block per tile -> per
-SM, causal: D 64 N 512 132 -> 167, N 1024 207 -> 239, N 16384 405 -> 388; D 128 N 512 170 ->
-204, N 1024 260 -> 287, N 4096 435 -> 430, N 16384 548 -> 519; unmasked D 128 N 512 315 ->
-364, N 16384 585 -> 570)."""
 
 
 def _snake(it, bx, grid, persistent: bool):
@@ -435,12 +440,13 @@ same keys, so the fixed assignment stays balanced where causal tiles' would not,
 steps a tile its fixed costs weigh as they do below ``PERSISTENT_MAX_KEYS``."""
 
 
-def _few_keys(Lk, rows: int, step: int, mods: Mods, window_left, window_right):
+def _few_keys(Lk, rows: int, step: int, mods: Mods, window_left, window_right,
+              max_keys: int = PERSISTENT_MAX_KEYS):
     """Host code: whether a tile of ``rows`` queries walks few enough keys for a persistent
-    grid: ``Lk <= PERSISTENT_MAX_KEYS``, or under a window its extent (one step more for the
-    first tile's alignment) at most ``PERSISTENT_MAX_WINDOW``."""
+    grid: ``Lk <= max_keys`` (``HopperTile.persistent_keys``), or under a window its extent
+    (one step more for the first tile's alignment) at most ``PERSISTENT_MAX_WINDOW``."""
     if not mods.window:
-        return Lk <= PERSISTENT_MAX_KEYS
+        return Lk <= max_keys
     return T.min(Lk, window_left + window_right + rows + step) <= PERSISTENT_MAX_WINDOW
 
 
@@ -683,7 +689,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
         total = T.meta_var(heads * nqt)  # query tiles
         grid: T.let[T.int32] = _grid(total, sms, _few_keys(Lk, BM, BK, mods, window_left,
-                                                           window_right), tile.persistent)
+                                                           window_right, tile.persistent_keys),
+                                     tile.persistent)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -948,6 +955,8 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if chosen.tma_store and (key.op != "fwd" or key.varlen or atom(key.head_dim) != 64):
         raise ValueError(f"{key.name}: tile {chosen}: the bulk store of O is the forward's, at "
                          "head dims that are multiples of 64, without packed sequences")
+    if chosen.persistent_keys < 1:
+        raise ValueError(f"{key.name}: tile {chosen}: persistent_keys must be positive")
     if chosen.tanh not in TANH_FORMS:
         raise ValueError(f"{key.name}: tile {chosen}: tanh must be one of {TANH_FORMS}")
     if chosen.tanh != "exp2" and not key.softcap:
@@ -1130,7 +1139,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
         total = T.meta_var(heads * nqt)  # query tiles
         grid: T.let[T.int32] = _grid(total, sms, _few_keys(Lk, BM, BK, mods, window_left,
-                                                           window_right), tile.persistent)
+                                                           window_right, tile.persistent_keys),
+                                     tile.persistent)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
         bx = T.cta_id([grid])
