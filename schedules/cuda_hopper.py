@@ -134,33 +134,35 @@ SM, causal: D 64 N 512 132 -> 167, N 1024 207 -> 239, N 16384 405 -> 388; D 128 
 
 @dataclasses.dataclass(frozen=True)
 class HopperTile:
-    """``consumers`` warpgroups of 64 rows each (plus the producer warpgroup); ``step`` rows of
-    the other side per loop step; ``stages`` buffers in the TMA ring. Forward and dQ: the rows
-    are queries, a step walks keys (K/V in the ring); dK/dV: the rows are keys, a step walks
-    queries (Q/dO and their LSE/Delta in the ring). ``split`` (dK/dV only): both consumers work
-    on the same 64 keys, one accumulating dV and the other dK (each D / 2 registers a thread
-    instead of D), P^T passed between them through shared memory. ``persistent`` (forward and dQ):
-    where keys are few (``PERSISTENT_MAX_KEYS``), one block per SM, each walking query tiles in
-    turn, the loads of the next overlapping the end of this one. ``dq`` (dK/dV only): the 5-GEMM
-    form, dQ added into a float32 accumulator; ``ordered`` (with ``dq``): each query tile's
-    additions in key-tile order behind semaphores, the same bits on every run. Unordered
-    (additions as they arrive) measured 1-2% faster on the H200 (D 128, N 4096-16384), not
-    worth a non-deterministic mode (docs/journal/2026-12-01-hopper.md). ``tanh`` (keys
-    with a soft cap): the form of the cap's tanh (``kernels.common.TANH_FORMS``); not a tuning
-    variant (it changes the results), to be taken only where it measures within the error
-    bounds and faster (docs/journal/2026-12-01-features.md). ``clamp`` (the forward's is off,
-    :func:`tile`): the softmax's exponent clamped at 0 (``exp2_clamped``) or not (a score is
-    at most its row's max, so the argument is above 0 only by a rounding: P at most
-    1 + 2^-23). dQ and dK/dV with ``clamp`` off: P = exp2(S scale log2 e - LSE log2 e), one
-    FFMA a score on the LSE scaled once where it is loaded, unclamped (P at most 1 + 2^-23 by
-    the same argument; +inf LSE still gives 0) — instead of a multiply, a subtraction, a
-    multiply and the clamp's compare and select: a variant to measure on the H200 before it
-    becomes their default. ``tma_store`` (forward, head dims that are multiples of 64, not
-    packed sequences): O goes out through shared memory, one bulk tensor store per consumer
-    and atom, which in a persistent grid overlaps the next tile's first products — a variant
-    to measure. ``persistent_keys``: the longest key walk for which a persistent tile keeps one
-    block per SM (:data:`PERSISTENT_MAX_KEYS`); more, to measure persistence with the bulk
-    store."""
+    """A kernel's tile and the variants it can be built in (one of :func:`variants`, or a
+    sweep's). Forward and dQ: the rows are queries and a step walks keys (K/V in the ring);
+    dK/dV: the rows are keys and a step walks queries (Q/dO and their LSE/Delta in the ring).
+
+    * ``consumers``: warpgroups of 64 rows each (plus the producer warpgroup); ``step``: rows
+      of the other side a loop step; ``stages``: buffers in the TMA ring.
+    * ``split`` (dK/dV): both consumers work on the same 64 keys, one accumulating dV and the
+      other dK (D / 2 registers a thread each instead of D), P^T passed through shared memory.
+    * ``persistent`` (forward, dQ): where a tile walks at most ``persistent_keys`` keys
+      (default :data:`PERSISTENT_MAX_KEYS`), one block per SM walks query tiles in turn, the
+      next one's loads overlapping the end of this one.
+    * ``dq`` (dK/dV): the 5-GEMM form, dQ added into a float32 accumulator; ``ordered`` (with
+      ``dq``): each query tile's additions in key-tile order behind semaphores, the same bits
+      on every run (unordered measured only 1-2% faster on the H200, D 128, N 4096-16384: no
+      non-deterministic mode; docs/journal/2026-12-01-hopper.md).
+    * ``tanh`` (keys with a soft cap): the form of the cap's tanh
+      (``kernels.common.TANH_FORMS``); not a tuning variant (it changes the results), to be
+      taken only where it measures within the error bounds and faster
+      (docs/journal/2026-12-01-features.md).
+    * ``clamp``: the softmax's exponent clamped at 0 (``exp2_clamped``) or not — a score is at
+      most its row's max (or the LSE), so the argument is above 0 only by a rounding and P at
+      most 1 + 2^-23; +inf LSE still gives 0. The forward's default is off (:func:`tile`).
+      dQ and dK/dV with it off also take P = exp2(S scale log2 e - LSE log2 e) in one FFMA on
+      an LSE scaled where it is loaded (instead of a multiply, a subtraction, a multiply and
+      the clamp's compare and select): a variant to measure before it becomes their default.
+    * ``tma_store`` (forward, head dims that are multiples of 64, not packed sequences): O out
+      through a shared tile by bulk tensor stores, which in a persistent grid overlap the
+      next tile's first products — a variant to measure.
+    """
 
     consumers: int = 2
     step: int = 128
