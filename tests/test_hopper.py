@@ -49,15 +49,20 @@ KEYS += MOD_KEYS
 
 
 @functools.cache
-def _source(key: KernelKey) -> str:
+def _source(key: KernelKey, tile: hopper.HopperTile | None = None) -> str:
     """CUDA source of the Hopper kernel of ``key``, served or not (dK/dV at D 32 is written
-    but not served, see ``cuda_hopper.SERVED``)."""
-    if hopper.supports(key):
+    but not served, see ``cuda_hopper.SERVED``), with its default tile or ``tile``."""
+    if hopper.supports(key) and tile is None:
         return device_source(compile_module(key))
     with tvm.transform.PassContext(config=pass_config("cuda")):
-        built = tvm.tirx.build(tvm.IRModule({"main": hopper.kernel(key)}),
+        built = tvm.tirx.build(tvm.IRModule({"main": hopper.kernel(key, tile)}),
                                target=make_target(key.target), pipeline="tirx")
     return device_source(built)
+
+
+def _variant_source(key: KernelKey, **fields) -> str:
+    """CUDA source of ``key``'s kernel with ``fields`` changed on its default tile."""
+    return _source(key, dataclasses.replace(hopper.tile(key), **fields))
 
 
 def test_hopper_serves_the_sm90a_forward_and_backward():
@@ -189,11 +194,7 @@ allocation), so nothing selects it (``cuda_hopper._dkv_tile``) until it has run.
 
 @functools.cache
 def _fused_source(causal: str) -> str:
-    key = KernelKey("dkv", 128, "bfloat16", causal, 1, "cuda-sm_90a")
-    with tvm.transform.PassContext(config=pass_config("cuda")):
-        built = tvm.tirx.build(tvm.IRModule({"main": hopper.kernel(key, FUSED)}),
-                               target=make_target(key.target), pipeline="tirx")
-    return device_source(built)
+    return _source(KernelKey("dkv", 128, "bfloat16", causal, 1, "cuda-sm_90a"), FUSED)
 
 
 @pytest.mark.parametrize("causal", ["none", "top-left"])
@@ -234,11 +235,7 @@ def test_forward_bulk_store_of_o():
     key = KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a")
     default = hopper.tile(key)
     assert not default.tma_store and default.persistent
-    variant = hopper.kernel(key, dataclasses.replace(default, tma_store=True))
-    with tvm.transform.PassContext(config=pass_config("cuda")):
-        built = tvm.tirx.build(tvm.IRModule({"main": variant}), target=make_target(key.target),
-                               pipeline="tirx")
-    src = device_source(built)
+    src = _variant_source(key, tma_store=True)
     store = "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group"
     assert store in src and store not in _source(key)
     body = src[src.index("extern \"C\" __global__"):]
@@ -266,11 +263,7 @@ def test_backward_probabilities_in_one_ffma(op, mods):
     default = hopper.tile(key)
     assert default.clamp
     base = _source(key)
-    variant = hopper.kernel(key, dataclasses.replace(default, clamp=False))
-    with tvm.transform.PassContext(config=pass_config("cuda")):
-        built = tvm.tirx.build(tvm.IRModule({"main": variant}), target=make_target(key.target),
-                               pipeline="tirx")
-    src = device_source(built)
+    src = _variant_source(key, clamp=False)
     # (the clamp's select repeats its argument in the source text: a soft cap's tanh, with
     # its own exp2, appears twice there; nvcc computes it once)
     assert src.count("exp2f(") == base.count("exp2f(") or mods and (
@@ -309,11 +302,7 @@ def test_tanh_forms_of_the_soft_cap(op):
     default = hopper.tile(key)
     assert default.tanh == "exp2"
     accurate = _source(key)
-    variant = hopper.kernel(key, dataclasses.replace(default, tanh="approx"))
-    with tvm.transform.PassContext(config=pass_config("cuda")):
-        built = tvm.tirx.build(tvm.IRModule({"main": variant}), target=make_target(key.target),
-                               pipeline="tirx")
-    src = device_source(built)
+    src = _variant_source(key, tanh="approx")
     assert len(re.findall(r"\btanhf\(", src)) >= 16 and not re.findall(r"\btanhf\(", accurate)
     assert src.count("exp2f(") < accurate.count("exp2f(")
     plain = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a")
@@ -328,11 +317,7 @@ def test_forward_exp2_unclamped():
     default = hopper.tile(key)
     assert not default.clamp
     base = _source(key)
-    clamped = hopper.kernel(key, dataclasses.replace(default, clamp=True))
-    with tvm.transform.PassContext(config=pass_config("cuda")):
-        built = tvm.tirx.build(tvm.IRModule({"main": clamped}), target=make_target(key.target),
-                               pipeline="tirx")
-    src = device_source(built)
+    src = _variant_source(key, clamp=True)
     assert src.count("exp2f(") == base.count("exp2f(")
     assert base.count("condval") < src.count("condval") or base.count("?") < src.count("?")
 
