@@ -526,6 +526,13 @@ def consumer_regs(consumers: int) -> int:
     return min(240, (pool - PRODUCER_REGS * WG) // (consumers * WG) // 8 * 8)
 
 
+def _swizzled(chunk, row):
+    """Where the 128-byte swizzle (TMA's and wgmma's ``SWIZZLE[128]``) puts 16-byte chunk
+    ``chunk`` of 128-byte row ``row`` of a 1024-byte-aligned tile: for threads that write a
+    tile which the copy engine or the tensor cores read next."""
+    return chunk ^ row % 8
+
+
 def _desc(d, ptr, ldo: int, sdo: int, swizzle: int):
     """Fill the 64-bit ``wgmma`` matrix descriptor ``d`` for a swizzled tile at ``ptr``
     (offsets in 16-byte units)."""
@@ -842,9 +849,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                                            T.float32(1) / lsum[r])
                 if TS:
                     # O into this consumer's shared tile, swizzled as the tensor map reads
-                    # it (16-byte chunk j of row r at chunk j ^ (r % 8)), then one bulk
-                    # store per atom; rows past Lq are outside the map and not written. The
-                    # tile is rewritten only once the last tile's store has read it.
+                    # it (_swizzled), then one bulk store per atom; rows past Lq are outside
+                    # the map and not written. The tile is rewritten only once the last
+                    # tile's store has read it.
                     orl = T.meta_var(tx % WG // 32 * 16 + lane // 4)  # + 8 r
                     if it > 0:
                         if elected:
@@ -854,7 +861,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                         for n in T.unroll(NO):
                             for e in T.vectorized(2):
                                 Os[cw, n * 8 // ATOM, orl + r * 8,
-                                   (n % (ATOM // 8) ^ (lane // 4 + r * 8) % 8) * 8
+                                   _swizzled(n % (ATOM // 8), lane // 4 + r * 8) * 8
                                    + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e] * mn[r],
                                                                 dtype)
                     T.ptx.fence.proxy.async_.shared__cta()
@@ -1047,12 +1054,11 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         """P of element ``i`` of a complete S (``_prob`` unguarded) of its modified score
         (``s * scale`` itself without a soft cap or ALiBi; ``ma.slopes[0, 0]``: the tile's
         slope)."""
-        if not tile.clamp:  # the LSE in base 2 (scaled where loaded): one FFMA a score
-            return T.exp2(modified_score(s[i], scale, mods, ma, causal, 0, 0,
-                                         row + i % 4 // 2 * 8, k0 + lane % 4 * 2, Lq, Lk,
-                                         -(i // 4 * 8 + i % 2), unit=LOG2E) - lse[i % 4 // 2])
         score = modified_score(s[i], scale, mods, ma, causal, 0, 0, row + i % 4 // 2 * 8,
-                               k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2))
+                               k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2),
+                               unit=1.0 if tile.clamp else LOG2E)
+        if not tile.clamp:  # the LSE in base 2 (scaled where loaded): one FFMA a score
+            return T.exp2(score - lse[i % 4 // 2])
         return exp2_clamped((score - lse[i % 4 // 2]) * T.float32(LOG2E))
 
     @T.macro
@@ -1368,13 +1374,11 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         itself without a soft cap or ALiBi; ``ma.slopes[0, 0]``: the step's query head's
         slope)."""
         lse = stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2]
-        if not tile.clamp:  # the LSE in base 2 (stat_row): one FFMA a score
-            return T.exp2(modified_score(st[e], scale, mods, ma, causal, 0, 0,
-                                         q0 + lane % 4 * 2, key_row, Lq, Lk,
-                                         e // 4 * 8 + e % 2 - e % 4 // 2 * 8, unit=LOG2E)
-                          - lse)
         score = modified_score(st[e], scale, mods, ma, causal, 0, 0, q0 + lane % 4 * 2,
-                               key_row, Lq, Lk, e // 4 * 8 + e % 2 - e % 4 // 2 * 8)
+                               key_row, Lq, Lk, e // 4 * 8 + e % 2 - e % 4 // 2 * 8,
+                               unit=1.0 if tile.clamp else LOG2E)
+        if not tile.clamp:  # the LSE in base 2 (stat_row): one FFMA a score
+            return T.exp2(score - lse)
         return exp2_clamped((score - lse) * T.float32(LOG2E))
 
     @T.macro
@@ -1639,7 +1643,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             for r in T.unroll(2):
                 for j in T.unroll(NS):
                     dstw[db, cw, (key_row - row0 + r * 8) * 32
-                         + (j ^ ((key_row - row0 + r * 8) % 8)) * 4 + lane % 4] = dsw[j * 2 + r]
+                         + _swizzled(j, key_row - row0 + r * 8) * 4 + lane % 4] = dsw[j * 2 + r]
             T.ptx.fence.proxy.async_.shared__cta()
             T.ptx.barrier.sync.aligned(DS_BOTH, NC * WG)  # both halves of dS^T written
             # dQ first, then dK: dQ's result goes to the writer through shared memory while

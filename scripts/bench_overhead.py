@@ -164,18 +164,9 @@ def tensormap_us(device, calls: int = 20000) -> float:
     err = encode(*args)
     if err != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled returned CUresult {err}")
-    version = ctypes.c_int()
-
-    def per_call(fn, *a):
-        runs = []
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn(*a)
-            runs.append((time.perf_counter() - start) / calls)
-        return statistics.median(runs) * 1e6
-
-    return per_call(encode, *args) - per_call(cuda.cuDriverGetVersion, ctypes.byref(version))
+    version = ctypes.byref(ctypes.c_int())
+    return (_per_call_us(lambda: encode(*args), device, calls, 5)
+            - _per_call_us(lambda: cuda.cuDriverGetVersion(version), device, calls, 5))
 
 
 def main(argv=None):
