@@ -132,6 +132,10 @@ SM, causal: D 64 N 512 132 -> 167, N 1024 207 -> 239, N 16384 405 -> 388; D 128 
 364, N 16384 585 -> 570)."""
 
 
+EVERY_LENGTH = 1 << 30
+"""``HopperTile.persistent_keys`` of a tile persistent at every length (keys fit int32)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class HopperTile:
     """A kernel's tile and the variants it can be built in (one of :func:`variants`, or a
@@ -155,13 +159,13 @@ class HopperTile:
       (docs/journal/2026-12-01-features.md).
     * ``clamp``: the softmax's exponent clamped at 0 (``exp2_clamped``) or not — a score is at
       most its row's max (or the LSE), so the argument is above 0 only by a rounding and P at
-      most 1 + 2^-23; +inf LSE still gives 0. The forward's default is off (:func:`tile`).
-      dQ and dK/dV with it off also take P = exp2(S scale log2 e - LSE log2 e) in one FFMA on
-      an LSE scaled where it is loaded (instead of a multiply, a subtraction, a multiply and
-      the clamp's compare and select): a variant to measure before it becomes their default.
+      most 1 + 2^-23; +inf LSE still gives 0. Every default is off (:func:`tile`). dQ and
+      dK/dV with it off also take P = exp2(S scale log2 e - LSE log2 e) in one FFMA on an
+      LSE scaled where it is loaded (instead of a multiply, a subtraction, a multiply and the
+      clamp's compare and select).
     * ``tma_store`` (forward, head dims that are multiples of 64, not packed sequences): O out
       through a shared tile by bulk tensor stores, which in a persistent grid overlap the
-      next tile's first products — a variant to measure.
+      next tile's first products (the D 128 unmasked forward's default, :func:`tile`).
     """
 
     consumers: int = 2
@@ -296,11 +300,19 @@ def tile(key: KernelKey) -> HopperTile:
     # 219, 339 -> 343, 439 -> 451; D 128 unmasked 455 -> 464, 535 -> 552, 577 -> 594, causal
     # 288 -> 291, 433 -> 431, 538 -> 531 (+1.4% on average, two fewer instructions a score;
     # O rescaled lazily lost 1-8%: docs/journal/2026-12-01-hopper.md, tenth session)
+    # D 128 unmasked: O out by bulk tensor stores, persistent at every length (the store
+    # overlaps the next tile's first products; unmasked tiles walk the same keys, so the
+    # fixed assignment stays balanced). H200, bf16, TFLOP/s, N 1024 / 4096 / 16384: 475 / 564
+    # / 606 -> 497 / 596 / 611 (cuDNN in the same rows 569 / 609 / 618 -> 530 / 563 / 598:
+    # compare ratios); the store alone 497 / 568 / 598; causal 302 / 459 / 569 -> 310 / 472 /
+    # 548, so not there (eleventh session)
+    fast_store = plain and d == 128 and key.causal == "none"
     return HopperTile(consumers=_fwd_consumers(key) if plain else 2,
                       step=128 if d <= 160 else 96 if d == 192 else 64,
                       persistent=not key.varlen and (
                           d in (32, 64, 128) or d == 256 and key.causal != "none"),
-                      clamp=False)
+                      clamp=False, tma_store=fast_store,
+                      persistent_keys=EVERY_LENGTH if fast_store else PERSISTENT_MAX_KEYS)
 
 
 def _fwd_consumers(key: KernelKey) -> int:
@@ -329,9 +341,17 @@ def _dq_tile(d: int, causal: bool) -> HopperTile:
     measured (the same machine and call, one block per tile -> per SM, causal N 512 / 1024):
     D 64 203 -> 227 / 290 -> 295, D 128 258 -> 264 / 342 -> 354, D 192 244 -> 252 / 326 ->
     326; unmasked it lost at N 1024 (D 64 438 -> 421, D 128 536 -> 509), where every block
-    has the same work and the hardware's assignment of tiles already balances."""
+    has the same work and the hardware's assignment of tiles already balances.
+
+    The exp2 unclamped on an LSE in base 2 (``HopperTile.clamp``), as for dK/dV: H200, bf16,
+    the kernel alone, TFLOP/s clamped -> not, N 1024 / 4096 / 16384, D 64 unmasked 450 / 524 /
+    530 -> 499 / 576 / 587, causal 316 / 417 / 451 -> 349 / 448 / 514; D 128 unmasked 561 /
+    669 / 662 -> 579 / 715 / 725, causal 371 / 524 / 570 -> 388 / 539 / 599; dK/dV D 64
+    unmasked 271 / 369 / 409 -> 279 / 379 / 452, causal 222 / 320 / 366 -> 226 / 328 / 389;
+    D 128 unmasked 446 / 547 / 561 -> 441 / 558 / 567, causal 300 / 457 / 506 -> 298 / 457 /
+    526 (docs/journal/2026-12-01-hopper.md, eleventh session)."""
     return HopperTile(step=128 if d <= 64 else 64 if d <= 160 else 32, stages=3,
-                      persistent=causal and d in (64, 128, 192))
+                      persistent=causal and d in (64, 128, 192), clamp=False)
 
 
 def _dkv_tile(d: int) -> HopperTile:
@@ -347,8 +367,8 @@ def _dkv_tile(d: int) -> HopperTile:
     below D 192: each warpgroup issues only half of a step's GEMMs, and 64 keys a block reread
     Q and dO twice as often."""
     if d >= 192:
-        return HopperTile(step=64, stages=3 if d == 192 else 2, split=True)
-    return HopperTile(step=96 if d == 64 else 64 if d <= 128 else 32, stages=3)
+        return HopperTile(step=64, stages=3 if d == 192 else 2, split=True, clamp=False)
+    return HopperTile(step=96 if d == 64 else 64 if d <= 128 else 32, stages=3, clamp=False)
 
 
 @T.macro

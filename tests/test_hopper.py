@@ -227,17 +227,23 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
 
 
 def test_forward_bulk_store_of_o():
-    """``HopperTile(tma_store=True)`` (a forward variant): O leaves through a shared tile per
-    consumer, one bulk tensor store per 64-column atom, after a proxy fence and the consumer's
-    named barrier; in a persistent grid the tile is rewritten only after the previous store
-    read it, and the block waits for its last store's reads before it ends. Not for dQ or
-    dK/dV, packed sequences, or 32-column atoms."""
+    """``HopperTile(tma_store=True)`` (the D 128 unmasked forward's default, persistent at
+    every length): O leaves through a shared tile per consumer, one bulk tensor store per
+    64-column atom, after a proxy fence and the consumer's named barrier; in a persistent grid
+    the tile is rewritten only after the previous store read it, and the block waits for its
+    last store's reads before it ends. Not for dQ or dK/dV, packed sequences, or 32-column
+    atoms; causal and D 64 keys store O from registers."""
     key = KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a")
     default = hopper.tile(key)
-    assert not default.tma_store and default.persistent
-    src = _variant_source(key, tma_store=True)
+    assert default.tma_store and default.persistent
+    assert default.persistent_keys == hopper.EVERY_LENGTH
+    for other in (dataclasses.replace(key, causal="top-left"), dataclasses.replace(key, head_dim=64),
+                  dataclasses.replace(key, softcap=True)):
+        assert not hopper.tile(other).tma_store, other.name
+        assert hopper.tile(other).persistent_keys == hopper.PERSISTENT_MAX_KEYS, other.name
+    src = _source(key)
     store = "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group"
-    assert store in src and store not in _source(key)
+    assert store in src and store not in _variant_source(key, tma_store=False)
     body = src[src.index("extern \"C\" __global__"):]
     calls = [m.start() for m in re.finditer(r"bulk_tensor_s2g\w*\(", body)]
     assert len(calls) == 128 // 64
@@ -256,14 +262,14 @@ def test_forward_bulk_store_of_o():
 @pytest.mark.parametrize("op", ["dq", "dkv"])
 @pytest.mark.parametrize("mods", [{}, {"softcap": True, "alibi": True}])
 def test_backward_probabilities_in_one_ffma(op, mods):
-    """dQ and dK/dV with ``HopperTile.clamp`` off (a variant; their default keeps the clamp):
-    P from the LSE scaled to base 2 where it is loaded — the same exp2 calls, no clamp's
-    selects, fewer multiplies by log2 e — with or without score modifiers."""
+    """dQ and dK/dV with ``HopperTile.clamp`` off (their default, as the forward's): P from
+    the LSE scaled to base 2 where it is loaded — the same exp2 calls as the clamped variant,
+    no clamp's selects, fewer multiplies by log2 e — with or without score modifiers."""
     key = KernelKey(op, 128, "bfloat16", "top-left", 1, "cuda-sm_90a", **mods)
     default = hopper.tile(key)
-    assert default.clamp
-    base = _source(key)
-    src = _variant_source(key, clamp=False)
+    assert not default.clamp
+    base = _variant_source(key, clamp=True)
+    src = _source(key)
     # (the clamp's select repeats its argument in the source text: a soft cap's tanh, with
     # its own exp2, appears twice there; nvcc computes it once)
     assert src.count("exp2f(") == base.count("exp2f(") or mods and (
