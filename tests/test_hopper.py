@@ -237,8 +237,8 @@ def test_forward_bulk_store_of_o():
     default = hopper.tile(key)
     assert default.tma_store and default.persistent
     assert default.persistent_keys == hopper.EVERY_LENGTH
-    for other in (dataclasses.replace(key, causal="top-left"), dataclasses.replace(key, head_dim=64),
-                  dataclasses.replace(key, softcap=True)):
+    for other in (dataclasses.replace(key, causal="top-left"),
+                  dataclasses.replace(key, head_dim=64), dataclasses.replace(key, softcap=True)):
         assert not hopper.tile(other).tma_store, other.name
         assert hopper.tile(other).persistent_keys == hopper.PERSISTENT_MAX_KEYS, other.name
     src = _source(key)
