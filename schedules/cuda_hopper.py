@@ -75,6 +75,7 @@ from tvm_flash.kernels.common import (
     Mods,
     TileConfig,
     exp2_clamped,
+    exp2_fma,
     first_key,
     first_query_tile,
     modified_score,
@@ -166,6 +167,13 @@ class HopperTile:
     * ``tma_store`` (forward, head dims that are multiples of 64, not packed sequences): O out
       through a shared tile by bulk tensor stores, which in a persistent grid overlap the
       next tile's first products (the D 128 unmasked forward's default, :func:`tile`).
+    * ``exp2_fma`` (forward, 0-8): of every 8 scores a thread holds, this many take the
+      softmax's exponential on the FMA pipe (``kernels.common.exp2_fma``, as accurate) instead
+      of the special-function unit, the busiest pipe by instructions in ncu's profile of the
+      D 128 forward — a variant to measure (FlashAttention-4 balances the two so).
+    * ``l2_bytes`` (causal forward and dQ, not packed sequences): tiles longest first within
+      groups of heads whose K/V fit this many bytes of L2 (``_grouped_order``; 0: longest
+      first across all heads) — a variant to measure (FlashAttention-3 groups so for L2).
     """
 
     consumers: int = 2
@@ -179,6 +187,8 @@ class HopperTile:
     clamp: bool = True
     tma_store: bool = False
     persistent_keys: int = PERSISTENT_MAX_KEYS
+    exp2_fma: int = 0
+    l2_bytes: int = 0
 
     @property
     def rows(self) -> int:
@@ -491,8 +501,25 @@ def _mine(total, grid, bx, persistent: bool):
             if persistent else 1)
 
 
+def _grouped_order(pos, tiles, heads, group_heads):
+    """Causal tiles longest first *within* groups of ``group_heads`` (batch x head) pairs,
+    group after group: :func:`_block_order` takes them longest first across every head, so
+    the blocks resident at once read as many heads' K/V as there are SMs — at N 4096, D 128
+    132 heads of 2 MiB each, far beyond the 50 MiB L2, each block streaming its keys from
+    DRAM (~2 GiB for the bench's causal forward, ~0.45 ms at 4.8 TB/s against ~0.6 ms of
+    products). Groups whose K/V fit the L2 keep them there while every tile of the group
+    reads them; the hardware still starts the next group's longest tiles as SMs free up.
+    Returns (tile counted from the last, batch x head), a bijection of ``tiles * heads``
+    positions (the last group may hold fewer heads)."""
+    span = group_heads * tiles
+    g = pos // span
+    inner = pos - g * span
+    members = T.min(group_heads, heads - g * group_heads)
+    return inner // members, g * group_heads + inner % members
+
+
 def _locator(causal: str, rows: int, step: int, group: int, mods: Mods = NO_MODS,
-             varlen: bool = False):
+             varlen: bool = False, l2_bytes: int = 0, row_bytes: int = 0):
     """A macro ``locate(c, pos, nqt, heads, Hq, Lq, Lk, ma, sq, cu_q, cu_k)``: the row tile at
     ``pos`` in :func:`_block_order` — batch, query head, KV head, first query row and key
     tiles into ``c[0:5]`` (forward and dQ blocks of ``rows`` queries, keys walked ``step`` at
@@ -500,11 +527,20 @@ def _locator(causal: str, rows: int, step: int, group: int, mods: Mods = NO_MODS
     ``c[6]``. ``varlen``: the (batch x head) index is (sequence x head); the sequence's first
     query row, query length, first key row, key length and index go to ``sq[0:5]`` (from
     ``cu_q``, ``cu_k``), the batch is 0, positions count within the sequence and a tile past
-    its end gets no key tile."""
+    its end gets no key tile. ``l2_bytes`` (causal): blocks ordered by :func:`_grouped_order`
+    in groups of heads whose K/V rows (``row_bytes`` a key, shared by ``group`` query heads)
+    fit that many bytes."""
+
+    def order(pos, nqt, heads, Lk):
+        if l2_bytes and causal != "none":
+            per_head = Lk * T.int64(row_bytes)
+            return _grouped_order(pos, nqt, heads, T.max(
+                T.int64(1), T.int64(l2_bytes * group) // T.max(per_head, T.int64(1))))
+        return _block_order(causal, pos, nqt, heads)
 
     @T.macro
     def locate(c, pos, nqt, heads, Hq, Lq, Lk, ma, sq, cu_q, cu_k):
-        t, bh = T.meta_var(_block_order(causal, T.cast(pos, "int64"), nqt, heads))
+        t, bh = T.meta_var(order(T.cast(pos, "int64"), nqt, heads, Lk))
         c[3] = (nqt - 1 - t) * rows
         if varlen:
             c[0] = T.int64(0)
@@ -671,7 +707,10 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             mn[r] = T.max(m[r], mn[r] * scale2)
             msub[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(0), mn[r])
         for i in T.unroll(NS * 4):
-            s[i] = exp2(s[i] * scale2 - msub[_lane_row(i, NS)])
+            if i % 8 < tile.exp2_fma:  # (unrolled: a constant per element)
+                s[i] = exp2_fma(s[i] * scale2 - msub[_lane_row(i, NS)])
+            else:
+                s[i] = exp2(s[i] * scale2 - msub[_lane_row(i, NS)])
         for r in T.unroll(2):
             m[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(1),
                                   exp2(m[r] - mn[r]))
@@ -688,7 +727,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         for i in T.unroll(NS * 4):
             p[i] = T.cast(s[i], dtype)
 
-    locate = _locator(causal, BM, BK, group, mods, varlen)
+    locate = _locator(causal, BM, BK, group, mods, varlen, tile.l2_bytes, 4 * D)
 
     @T.prim_func
     def flash_fwd(q_h: T.handle, k_h: T.handle, v_h: T.handle, sinks_h: T.handle,
@@ -984,6 +1023,12 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if chosen.tma_store and (key.op != "fwd" or key.varlen or atom(key.head_dim) != 64):
         raise ValueError(f"{key.name}: tile {chosen}: the bulk store of O is the forward's, at "
                          "head dims that are multiples of 64, without packed sequences")
+    if not 0 <= chosen.exp2_fma <= 8 or chosen.exp2_fma and key.op != "fwd":
+        raise ValueError(f"{key.name}: tile {chosen}: exp2_fma is the forward's, 0 to 8 of "
+                         "every 8 scores")
+    if chosen.l2_bytes < 0 or chosen.l2_bytes and (key.op == "dkv" or key.varlen):
+        raise ValueError(f"{key.name}: tile {chosen}: l2_bytes orders the forward's and dQ's "
+                         "blocks (not packed sequences), a byte count >= 0")
     if chosen.persistent_keys < 1:
         raise ValueError(f"{key.name}: tile {chosen}: persistent_keys must be positive")
     if chosen.tanh not in TANH_FORMS:
@@ -1129,7 +1174,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         for i in T.unroll(NS * 4):
             ds[i] = T.cast(s[i], dtype)
 
-    locate = _locator(causal, BM, BK, key.group, mods, varlen)
+    locate = _locator(causal, BM, BK, key.group, mods, varlen, tile.l2_bytes, 4 * D)
 
     @T.prim_func
     def flash_dq(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,

@@ -12,8 +12,10 @@ import re
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 import tvm
+from tvm.script import tirx as T
 
 from tvm_flash.build import compile_module, device_source, pass_config, schedules
 from tvm_flash.key import KernelKey
@@ -314,6 +316,68 @@ def test_tanh_forms_of_the_soft_cap(op):
     plain = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a")
     with pytest.raises(ValueError, match="a tanh form is for keys with a soft cap"):
         hopper.kernel(plain, dataclasses.replace(hopper.tile(plain), tanh="approx"))
+
+
+def test_forward_exponentials_on_the_fma_pipe():
+    """``HopperTile(exp2_fma=k)`` (a forward variant): k of every 8 scores a thread holds take
+    the softmax's exponential by ``kernels.common.exp2_fma`` (FMA and integer instructions)
+    instead of ``exp2f`` (the special-function unit); the soft cap's ``tanh="fma"`` form moves
+    its exponential there too. dQ and dK/dV refuse the field."""
+    key = KernelKey("fwd", 128, "bfloat16", "top-left", 1, "cuda-sm_90a")
+    assert hopper.tile(key).exp2_fma == 0
+    base = _source(key).count("exp2f(")
+    assert _variant_source(key, exp2_fma=2).count("exp2f(") == base - 32  # 2 of 8 of 128
+    capped = KernelKey("fwd", 128, "bfloat16", "top-left", 1, "cuda-sm_90a", softcap=True)
+    assert (_variant_source(capped, tanh="fma").count("exp2f(")
+            == _source(capped).count("exp2f(") - 128)
+    for bad in (KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a"),):
+        with pytest.raises(ValueError, match="exp2_fma"):
+            hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), exp2_fma=2))
+    with pytest.raises(ValueError, match="exp2_fma"):
+        hopper.kernel(key, dataclasses.replace(hopper.tile(key), exp2_fma=9))
+
+
+@pytest.mark.parametrize("tiles, heads, group_heads", [(32, 64, 6), (5, 7, 3), (4, 3, 8),
+                                                      (1, 5, 2), (9, 4, 1)])
+def test_causal_blocks_grouped_for_l2(tiles, heads, group_heads):
+    """``cuda_hopper._grouped_order`` (the ``l2_bytes`` variant's block order), compiled for
+    the CPU: every (tile, head) exactly once; heads taken in groups of ``group_heads`` (the
+    last may be short), group after group; within a group the longest tiles (counted from the
+    last) first, a round over the group's heads each."""
+    n = tiles * heads
+
+    @T.prim_func
+    def f(t: T.Buffer((n,), "int64"), bh: T.Buffer((n,), "int64")):
+        for pos in range(n):
+            a, b = T.meta_var(hopper._grouped_order(T.int64(pos), T.int64(tiles),
+                                                    T.int64(heads), T.int64(group_heads)))
+            t[pos] = a
+            bh[pos] = b
+
+    lib = tvm.tirx.build(tvm.IRModule({"main": f}), target="llvm")
+    t, bh = tvm.runtime.empty((n,), "int64"), tvm.runtime.empty((n,), "int64")
+    lib(t, bh)
+    t, bh = t.numpy(), bh.numpy()
+    assert sorted(zip(t.tolist(), bh.tolist())) == [(a, b) for a in range(tiles)
+                                                    for b in range(heads)]
+    group = bh // group_heads
+    assert (np.diff(group) >= 0).all()
+    for g in np.unique(group):
+        members = min(group_heads, heads - g * group_heads)
+        assert (t[group == g] == np.repeat(np.arange(tiles), members)).all()
+
+
+def test_l2_grouped_order_is_a_variant():
+    """``HopperTile(l2_bytes=...)`` changes the causal forward's and dQ's block order only:
+    the unmasked kernels' source stays the same, and dK/dV refuses it."""
+    for op in ("fwd", "dq"):
+        causal = KernelKey(op, 128, "bfloat16", "top-left", 1, "cuda-sm_90a")
+        assert _variant_source(causal, l2_bytes=32 << 20) != _source(causal)
+        plain = dataclasses.replace(causal, causal="none")
+        assert _variant_source(plain, l2_bytes=32 << 20) == _source(plain)
+    bad = KernelKey("dkv", 128, "bfloat16", "top-left", 1, "cuda-sm_90a")
+    with pytest.raises(ValueError, match="l2_bytes"):
+        hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), l2_bytes=1 << 20))
 
 
 def test_forward_exp2_unclamped():

@@ -19,7 +19,7 @@ from conftest import DEVICES
 from tvm.script import tirx as T
 
 from tvm_flash import attention
-from tvm_flash.kernels.common import tanh
+from tvm_flash.kernels.common import exp2_fma, tanh
 from tvm_flash.key import KernelKey
 
 CAUSAL = ["none", "top-left", "bottom-right"]
@@ -176,17 +176,18 @@ def test_features_benchmark_runs_on_the_cpu(tmp_path):
     assert all(ms > 0 for r in rows for ms in r["ms"].values())
 
 
-def test_tanh_is_float32_accurate():
-    """The soft cap's tanh (``kernels.common.tanh``, its default form) compiled for the CPU and
-    run on a dense grid and +-inf, NaN: within 16 float32 ulp of float64's tanh where |tanh| >=
-    2^-4 and 5e-7 everywhere (below, ``1 - 2 / (e + 1)`` loses digits to cancellation);
-    saturating to +-1 and keeping a NaN."""
+@pytest.mark.parametrize("form", ["exp2", "fma"])
+def test_tanh_is_float32_accurate(form):
+    """The soft cap's tanh (``kernels.common.tanh``: the default form, and the one with its
+    exponential on the FMA pipe) compiled for the CPU and run on a dense grid and +-inf, NaN:
+    within 16 float32 ulp of float64's tanh where |tanh| >= 2^-4 and 5e-7 everywhere (below,
+    ``1 - 2 / (e + 1)`` loses digits to cancellation); saturating to +-1 and keeping a NaN."""
     n = 200_003
 
     @T.prim_func
     def f(x: T.Buffer((n,), "float32"), y: T.Buffer((n,), "float32")):
         for i in range(n):
-            y[i] = tanh(x[i])
+            y[i] = tanh(x[i], form)
 
     lib = tvm.tirx.build(tvm.IRModule({"main": f}), target="llvm")
     x = np.concatenate([np.linspace(-12, 12, n - 3), [np.inf, -np.inf, np.nan]]).astype(np.float32)
@@ -198,3 +199,30 @@ def test_tanh_is_float32_accurate():
     err = np.abs(got[:-3] - ref[:-3])
     assert (err / ulp)[np.abs(ref[:-3]) >= 2 ** -4].max() <= 16
     assert err.max() < 5e-7
+
+
+def test_exp2_on_the_fma_pipe():
+    """``kernels.common.exp2_fma`` (the softmax's and the soft cap's exponential without the
+    special-function unit) compiled for the CPU: within 2^-22 relative of float64's 2^x over
+    [-126, 127), exactly 1 at 0; 0 at -inf and below -127 (a masked score's probability), a
+    finite 2^127 at +inf, NaN kept — and its rounding step not folded away by TVM's simplifier
+    (which turns ``(z + c) - c`` into ``z``)."""
+    n = 100_007
+
+    @T.prim_func
+    def f(x: T.Buffer((n,), "float32"), y: T.Buffer((n,), "float32")):
+        for i in range(n):
+            y[i] = exp2_fma(x[i])
+
+    lib = tvm.tirx.build(tvm.IRModule({"main": f}), target="llvm")
+    grid = np.random.default_rng(0).uniform(-126, 127, n - 7)
+    x = np.concatenate([grid, [0.0, -np.inf, np.inf, np.nan, -127.5, -1e30, 1e30]])
+    x = x.astype(np.float32)
+    y = tvm.runtime.empty((n,), "float32")
+    lib(tvm.runtime.tensor(x), y)
+    got = y.numpy()
+    rel = np.abs(got[:-7].astype(np.float64) / np.exp2(x[:-7].astype(np.float64)) - 1)
+    assert rel.max() <= 2.0 ** -22, rel.max()
+    assert got[-7] == 1 and got[-6] == 0 and got[-3] == 0 and got[-2] == 0
+    assert np.isfinite(got[-5]) and got[-5] == got[-1] and got[-5] > 1e38
+    assert np.isnan(got[-4])

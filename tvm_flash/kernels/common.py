@@ -106,6 +106,40 @@ def exp2_clamped(x):
     return T.exp2(T.if_then_else(x > T.float32(0), T.float32(0), x))
 
 
+EXP2_POLY = (1.0, 0.6931471824645996, 0.24022647738456726, 0.05550329014658928,
+             0.009618373587727547, 0.0013399848248809576, 0.00015370704932138324)
+"""2^f on [-1/2, 1/2], degree 6 with 2^0 = 1 exactly, fitted here (relative-error-weighted least
+squares on Chebyshev nodes): at most 1.0e-7 relative in float32 Horner evaluation, within
+the hardware ``ex2.approx``'s 2^-22 (degree 5: 1.9e-7, and the soft cap's tanh 19 ulp)."""
+
+_ROUND = 12582912.0  # 1.5 * 2^23: adding it rounds a float32 of magnitude < 2^22 to an integer
+_ROUND_BITS = 0x4B400000  # its bit pattern
+
+
+def exp2_fma(x):
+    """``2^x`` on the FMA and integer pipes instead of the special-function unit (MUFU), which
+    the softmax's exponentials (and a soft cap's tanh) keep the busiest pipe of an attention
+    kernel (FlashAttention-4 emulates part of them so on Blackwell).
+
+    ``x`` is clamped to [-127, 127] by selects (a NaN stays NaN), split as ``n + f`` by the
+    1.5 * 2^23 rounding trick (``n`` the nearest integer, read from the sum's low mantissa
+    bits; ``|f| <= 1/2``), ``2^f`` by :data:`EXP2_POLY` and ``2^n`` built from its exponent
+    bits: ``2^-127`` comes out as +0.0, so ``-inf`` (a masked score) gives exactly 0 and
+    ``+inf`` gives 2^127 (finite). Pure expressions only (selects, not branches), so nvcc
+    shares the repeated subexpressions of the text TVM prints."""
+    z = tirx.Select(x < T.float32(-127), T.float32(-127),
+                    tirx.Select(x > T.float32(127), T.float32(127), x))
+    j = z + T.float32(_ROUND)
+    # j's bits read back as a float: an opaque step for TVM's simplifier, which would
+    # otherwise fold (z + c) - c to z (and f to 0); nvcc and LLVM keep float sums in order
+    f = z - (T.reinterpret("float32", T.reinterpret("int32", j)) - T.float32(_ROUND))
+    p = T.float32(EXP2_POLY[-1])
+    for c in reversed(EXP2_POLY[:-1]):
+        p = p * f + T.float32(c)
+    bits = T.reinterpret("int32", j) - T.int32(_ROUND_BITS - 127)  # n + 127, in 0..254
+    return p * T.reinterpret("float32", T.shift_left(bits, T.int32(23)))
+
+
 def row_lse(m, lsum):
     """A row's LSE (natural log) from its base-2 max and sum; -inf for a row with no key."""
     return T.if_then_else(lsum == T.float32(0), neg_inf(), (m + T.log2(lsum)) * T.float32(LN2))
@@ -182,15 +216,18 @@ def visible(causal: str, row, col, lq, lk, end=None, mods: Mods = NO_MODS, ma=No
     return conds[0] if len(conds) == 1 else tirx.all(*conds)
 
 
-TANH_FORMS = ("exp2", "approx")
+TANH_FORMS = ("exp2", "approx", "fma")
 """The forms of :func:`tanh`: the exp2 one (two special-function operations: the exponential
-and the division's reciprocal) and the hardware's (``tanh.approx.f32``, one; relative error
-about 2^-11, so a soft cap of 30 moves a score by up to 0.015)."""
+and the division's reciprocal), the hardware's (``tanh.approx.f32``, one; relative error
+about 2^-11, so a soft cap of 30 moves a score by up to 0.015) and the exp2 one with the
+exponential on the FMA pipe (:func:`exp2_fma`; one special-function operation, the
+reciprocal, at the exp2 form's accuracy)."""
 
 
 def tanh(x, form: str = "exp2"):
     """``tanh(x)`` as ``1 - 2 / (exp(2 x) + 1)``, float32-accurate on every target (``approx``:
-    ``T.tanh``, the ``tanh.approx.f32`` instruction on CUDA: :data:`TANH_FORMS`).
+    ``T.tanh``, the ``tanh.approx.f32`` instruction on CUDA; ``fma``: the exponential by
+    :func:`exp2_fma`: :data:`TANH_FORMS`).
 
     Not ``T.tanh`` by default: TVM compiles CUDA with ``--use_fast_math``, which turns ``tanhf``
     into the ``tanh.approx.f32`` instruction (relative error about 2^-11); on the H200 float32
@@ -199,7 +236,8 @@ def tanh(x, form: str = "exp2"):
     saturates to +-1 (an infinite exponential gives 1, a zero one -1) and keeps a NaN."""
     if form == "approx":
         return T.tanh(x)
-    return T.float32(1) - T.float32(2) / (T.exp2(x * T.float32(2 * LOG2E)) + T.float32(1))
+    exp2 = exp2_fma if form == "fma" else T.exp2
+    return T.float32(1) - T.float32(2) / (exp2(x * T.float32(2 * LOG2E)) + T.float32(1))
 
 
 def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk,
