@@ -358,8 +358,8 @@ def test_causal_blocks_grouped_for_l2(tiles, heads, group_heads):
     t, bh = tvm.runtime.empty((n,), "int64"), tvm.runtime.empty((n,), "int64")
     lib(t, bh)
     t, bh = t.numpy(), bh.numpy()
-    assert sorted(zip(t.tolist(), bh.tolist())) == [(a, b) for a in range(tiles)
-                                                    for b in range(heads)]
+    pairs = sorted(zip(t.tolist(), bh.tolist(), strict=True))
+    assert pairs == [(a, b) for a in range(tiles) for b in range(heads)]
     group = bh // group_heads
     assert (np.diff(group) >= 0).all()
     for g in np.unique(group):
