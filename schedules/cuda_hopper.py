@@ -171,9 +171,10 @@ class HopperTile:
       softmax's exponential on the FMA pipe (``kernels.common.exp2_fma``, as accurate) instead
       of the special-function unit, the busiest pipe by instructions in ncu's profile of the
       D 128 forward — a variant to measure (FlashAttention-4 balances the two so).
-    * ``l2_bytes`` (causal forward and dQ, not packed sequences): tiles longest first within
-      groups of heads whose K/V fit this many bytes of L2 (``_grouped_order``; 0: longest
-      first across all heads) — a variant to measure (FlashAttention-3 groups so for L2).
+    * ``l2_bytes`` (causal, not packed sequences): tiles longest first within groups of heads
+      whose streamed rows fit this many bytes of L2 — K/V for the forward and dQ, Q/dO for
+      dK/dV (``_grouped_order``; 0: longest first across all heads) — a variant to measure
+      (FlashAttention-3 groups heads so for the L2).
     """
 
     consumers: int = 2
@@ -1026,9 +1027,9 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if not 0 <= chosen.exp2_fma <= 8 or chosen.exp2_fma and key.op != "fwd":
         raise ValueError(f"{key.name}: tile {chosen}: exp2_fma is the forward's, 0 to 8 of "
                          "every 8 scores")
-    if chosen.l2_bytes < 0 or chosen.l2_bytes and (key.op == "dkv" or key.varlen):
-        raise ValueError(f"{key.name}: tile {chosen}: l2_bytes orders the forward's and dQ's "
-                         "blocks (not packed sequences), a byte count >= 0")
+    if chosen.l2_bytes < 0 or chosen.l2_bytes and key.varlen:
+        raise ValueError(f"{key.name}: tile {chosen}: l2_bytes orders the blocks of dense "
+                         "calls (not packed sequences), a byte count >= 0")
     if chosen.persistent_keys < 1:
         raise ValueError(f"{key.name}: tile {chosen}: persistent_keys must be positive")
     if chosen.tanh not in TANH_FORMS:
@@ -1970,8 +1971,14 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         lq = T.meta_var(sq[1] if varlen else Lq)
         lk = T.meta_var(sq[3] if varlen else Lk)
 
-        t, bh = T.meta_var(_block_order(causal, T.cast(bx, "int64"), nkt, heads))
-        c[2] = t * BN  # causal: the keys seen by the most queries first
+        # causal: the keys seen by the most queries first (tile.l2_bytes: within groups of
+        # KV heads whose group's Q, dO rows fit the L2, _grouped_order)
+        t, bh = T.meta_var(
+            _grouped_order(T.cast(bx, "int64"), nkt, heads, T.max(T.int64(1), T.int64(
+                tile.l2_bytes) // T.max(Lq * T.int64(4 * D * key.group), T.int64(1))))
+            if tile.l2_bytes > 0 and causal != "none" else
+            _block_order(causal, T.cast(bx, "int64"), nkt, heads))
+        c[2] = t * BN
         if varlen:
             c[0] = T.int64(0)
             pin_sequence(sq, bh // Hkv, CuQ, CuK)

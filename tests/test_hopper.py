@@ -368,14 +368,14 @@ def test_causal_blocks_grouped_for_l2(tiles, heads, group_heads):
 
 
 def test_l2_grouped_order_is_a_variant():
-    """``HopperTile(l2_bytes=...)`` changes the causal forward's and dQ's block order only:
-    the unmasked kernels' source stays the same, and dK/dV refuses it."""
-    for op in ("fwd", "dq"):
+    """``HopperTile(l2_bytes=...)`` changes the causal kernels' block order only: the unmasked
+    kernels' source stays the same, and packed sequences refuse it."""
+    for op in ("fwd", "dq", "dkv"):
         causal = KernelKey(op, 128, "bfloat16", "top-left", 1, "cuda-sm_90a")
         assert _variant_source(causal, l2_bytes=32 << 20) != _source(causal)
         plain = dataclasses.replace(causal, causal="none")
         assert _variant_source(plain, l2_bytes=32 << 20) == _source(plain)
-    bad = KernelKey("dkv", 128, "bfloat16", "top-left", 1, "cuda-sm_90a")
+    bad = KernelKey("fwd", 128, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)
     with pytest.raises(ValueError, match="l2_bytes"):
         hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), l2_bytes=1 << 20))
 
