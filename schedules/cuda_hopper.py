@@ -173,7 +173,7 @@ class HopperTile:
       D 128 forward — a variant to measure (FlashAttention-4 balances the two so).
     * ``l2_bytes`` (causal, not packed sequences): tiles longest first within groups of heads
       whose streamed rows fit this many bytes of L2 — K/V for the forward and dQ, Q/dO for
-      dK/dV (``_grouped_order``; 0: longest first across all heads) — a variant to measure
+      dK/dV (``_tile_order``; 0: longest first across all heads) — a variant to measure
       (FlashAttention-3 groups heads so for the L2).
     """
 
@@ -519,6 +519,18 @@ def _grouped_order(pos, tiles, heads, group_heads):
     return inner // members, g * group_heads + inner % members
 
 
+def _tile_order(causal: str, pos, tiles, heads, l2_bytes: int, head_bytes, sharing: int = 1):
+    """The block order of every kernel here: (tile counted from the last, batch x head) of
+    position ``pos``. Causal with ``l2_bytes`` (``HopperTile.l2_bytes``): longest first within
+    groups of as many heads as fit that many bytes of L2 (:func:`_grouped_order`), each head
+    streaming ``head_bytes`` (int64 expression) that ``sharing`` heads of the order share (a
+    KV head's K/V rows serve its ``group`` query heads); else :func:`_block_order`."""
+    if not (l2_bytes and causal != "none"):
+        return _block_order(causal, pos, tiles, heads)
+    return _grouped_order(pos, tiles, heads, T.max(
+        T.int64(1), T.int64(l2_bytes * sharing) // T.max(head_bytes, T.int64(1))))
+
+
 def _locator(causal: str, rows: int, step: int, group: int, mods: Mods = NO_MODS,
              varlen: bool = False, l2_bytes: int = 0, row_bytes: int = 0):
     """A macro ``locate(c, pos, nqt, heads, Hq, Lq, Lk, ma, sq, cu_q, cu_k)``: the row tile at
@@ -528,20 +540,14 @@ def _locator(causal: str, rows: int, step: int, group: int, mods: Mods = NO_MODS
     ``c[6]``. ``varlen``: the (batch x head) index is (sequence x head); the sequence's first
     query row, query length, first key row, key length and index go to ``sq[0:5]`` (from
     ``cu_q``, ``cu_k``), the batch is 0, positions count within the sequence and a tile past
-    its end gets no key tile. ``l2_bytes`` (causal): blocks ordered by :func:`_grouped_order`
+    its end gets no key tile. ``l2_bytes`` (causal): blocks ordered by :func:`_tile_order`
     in groups of heads whose K/V rows (``row_bytes`` a key, shared by ``group`` query heads)
     fit that many bytes."""
 
-    def order(pos, nqt, heads, Lk):
-        if l2_bytes and causal != "none":
-            per_head = Lk * T.int64(row_bytes)
-            return _grouped_order(pos, nqt, heads, T.max(
-                T.int64(1), T.int64(l2_bytes * group) // T.max(per_head, T.int64(1))))
-        return _block_order(causal, pos, nqt, heads)
-
     @T.macro
     def locate(c, pos, nqt, heads, Hq, Lq, Lk, ma, sq, cu_q, cu_k):
-        t, bh = T.meta_var(order(T.cast(pos, "int64"), nqt, heads, Lk))
+        t, bh = T.meta_var(_tile_order(causal, T.cast(pos, "int64"), nqt, heads, l2_bytes,
+                                       Lk * T.int64(row_bytes), group))
         c[3] = (nqt - 1 - t) * rows
         if varlen:
             c[0] = T.int64(0)
@@ -1972,12 +1978,9 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         lk = T.meta_var(sq[3] if varlen else Lk)
 
         # causal: the keys seen by the most queries first (tile.l2_bytes: within groups of
-        # KV heads whose group's Q, dO rows fit the L2, _grouped_order)
-        t, bh = T.meta_var(
-            _grouped_order(T.cast(bx, "int64"), nkt, heads, T.max(T.int64(1), T.int64(
-                tile.l2_bytes) // T.max(Lq * T.int64(4 * D * key.group), T.int64(1))))
-            if tile.l2_bytes > 0 and causal != "none" else
-            _block_order(causal, T.cast(bx, "int64"), nkt, heads))
+        # KV heads whose group's Q, dO rows fit the L2, _tile_order)
+        t, bh = T.meta_var(_tile_order(causal, T.cast(bx, "int64"), nkt, heads, tile.l2_bytes,
+                                       Lq * T.int64(4 * D * key.group)))
         c[2] = t * BN
         if varlen:
             c[0] = T.int64(0)
