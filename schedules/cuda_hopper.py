@@ -173,8 +173,8 @@ class HopperTile:
       D 128 forward — a variant to measure (FlashAttention-4 balances the two so).
     * ``l2_bytes`` (causal, not packed sequences): tiles longest first within groups of heads
       whose streamed rows fit this many bytes of L2 — K/V for the forward and dQ, Q/dO for
-      dK/dV (``_tile_order``; 0: longest first across all heads) — a variant to measure
-      (FlashAttention-3 groups heads so for the L2).
+      dK/dV (``_tile_order``; 0: longest first across all heads), as FlashAttention-3 groups
+      heads; the default of dense causal keys up to D 128 (:data:`L2_GROUP_BYTES`).
     """
 
     consumers: int = 2
@@ -269,7 +269,28 @@ def supports(key: KernelKey) -> bool:
     return writes(key) and key.head_dim in SERVED[key.op]
 
 
+L2_GROUP_BYTES = 32 << 20
+"""``HopperTile.l2_bytes`` of dense causal keys up to D 128: the heads whose streamed rows fit
+32 MiB of the H200's 50 MiB L2 take their tiles together (:func:`_tile_order`). H200, bf16,
+causal, the kernel alone, TFLOP/s across all heads -> 32 MiB groups (16 MiB), N 1024 / 4096
+/ 16384: forward D 128 293 / 447 / 555 -> 298 / 469 / 560 (261 / 463 / 559), D 64 219 / 350
+/ 461 -> 226 / 368 / 465; dQ D 128 375 / 528 / 598 -> 373 / 566 / 616 (323 / 576 / 609), D 64
+341 / 435 / 502 -> 352 / 481 / 529; dK/dV D 128 304 / 459 / 526 -> 337 / 497 / 537 (351 /
+505 / 535), D 64 223 / 322 / 364 -> 230 / 330 / 365 (twelfth session,
+docs/results/hopper-sweeps-v8.json). 16 MiB lost at N 1024, where such a group (32 heads of
+8 tiles at D 128) is under two waves of 132 SMs; larger head dims were not measured."""
+
+
 def tile(key: KernelKey) -> HopperTile:
+    """The default tile of ``key`` (:func:`_tile`), its causal blocks grouped for the L2
+    (:data:`L2_GROUP_BYTES`) where they are dense and D <= 128."""
+    chosen = _tile(key)
+    if key.causal != "none" and not key.varlen and key.head_dim <= 128:
+        return dataclasses.replace(chosen, l2_bytes=L2_GROUP_BYTES)
+    return chosen
+
+
+def _tile(key: KernelKey) -> HopperTile:
     """Two consumer warpgroups (128 query rows; three at D 64, :func:`_fwd_consumers`) and two
     stages; 128-key steps up to D 160, fewer above, where O's D / 2 registers a thread crowd
     out S and P (D 256: 128 + 32 + 16) and the K/V ring outgrows shared memory. D 64 and 128
@@ -294,8 +315,11 @@ def tile(key: KernelKey) -> HopperTile:
         if d == 64 and key.causal != "none" and plain:
             # 192 keys a block, 32-query steps (64 spill); H200, bf16, the kernel alone,
             # causal N 1024 / 4096 / 16384: 187 / 276 / 345 -> 225 / 324 / 366 TFLOP/s;
-            # unmasked 279 / 375 / 409 -> 279 / 337 / 360, so not there
-            return HopperTile(consumers=3, step=32, stages=3)
+            # unmasked 279 / 375 / 409 -> 279 / 337 / 360, so not there. The exp2 unclamped as
+            # for every dK/dV (HopperTile.clamp; this tile kept the clamp by an oversight until
+            # the twelfth session): causal N 1024 / 4096 / 16384 222 / 320 / 366 -> 226 / 328 /
+            # 389 TFLOP/s (docs/results/hopper-sweeps-v7.json)
+            return HopperTile(consumers=3, step=32, stages=3, clamp=False)
         if d == 64 and key.lengths == 1024 and plain:
             # calls up to 1024 long: 96-query steps leave a third of the last step empty at
             # N 512; H200, bf16, the kernel alone, unmasked N 512 / 1024: 214 / 279 -> 228 /

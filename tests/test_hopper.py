@@ -281,6 +281,19 @@ def test_backward_probabilities_in_one_ffma(op, mods):
     assert src.count("condval") < base.count("condval") or src.count("?") < base.count("?")
 
 
+def test_every_default_tile_unclamped():
+    """No default Hopper tile clamps the softmax's exponent (``HopperTile.clamp``, measured
+    slower for every op); one special case of the D 64 causal dK/dV kept it by an oversight."""
+    for op, d, causal, g, varlen, mods in itertools.product(
+            ("fwd", "dq", "dkv"), hopper.OP_HEAD_DIMS["fwd"], ("none", "top-left", "bottom-right"),
+            (1, 8), (False, True), ({}, {"softcap": True}, {"window": True})):
+        for lengths in (0, 1024):
+            key = KernelKey(op, d, "bfloat16", causal, g, "cuda-sm_90a", varlen=varlen,
+                            lengths=lengths, **mods)
+            if hopper.supports(key):
+                assert not hopper.tile(key).clamp, key.name
+
+
 def test_score_modifiers_served_where_checked():
     """Hopper kernels with window, soft cap and ALiBi and for packed sequences run where they
     passed against float64 on the H200 (``cuda_hopper.MODS_SERVED``); at the other head dims,
@@ -340,7 +353,7 @@ def test_forward_exponentials_on_the_fma_pipe():
 @pytest.mark.parametrize("tiles, heads, group_heads", [(32, 64, 6), (5, 7, 3), (4, 3, 8),
                                                       (1, 5, 2), (9, 4, 1)])
 def test_causal_blocks_grouped_for_l2(tiles, heads, group_heads):
-    """``cuda_hopper._grouped_order`` (the ``l2_bytes`` variant's block order), compiled for
+    """``cuda_hopper._grouped_order`` (the block order of ``HopperTile.l2_bytes``), compiled for
     the CPU: every (tile, head) exactly once; heads taken in groups of ``group_heads`` (the
     last may be short), group after group; within a group the longest tiles (counted from the
     last) first, a round over the group's heads each."""
@@ -367,17 +380,24 @@ def test_causal_blocks_grouped_for_l2(tiles, heads, group_heads):
         assert (t[group == g] == np.repeat(np.arange(tiles), members)).all()
 
 
-def test_l2_grouped_order_is_a_variant():
-    """``HopperTile(l2_bytes=...)`` changes the causal kernels' block order only: the unmasked
-    kernels' source stays the same, and packed sequences refuse it."""
+def test_causal_blocks_grouped_for_l2_by_default():
+    """Dense causal keys up to D 128 take their blocks in L2-sized groups of heads
+    (``HopperTile.l2_bytes``, ``cuda_hopper.L2_GROUP_BYTES``); the field changes the causal
+    kernels' block order only: the unmasked kernels' source is the same with it, larger head
+    dims keep the order across all heads, and packed sequences refuse it."""
     for op in ("fwd", "dq", "dkv"):
         causal = KernelKey(op, 128, "bfloat16", "top-left", 1, "cuda-sm_90a")
-        assert _variant_source(causal, l2_bytes=32 << 20) != _source(causal)
+        assert hopper.tile(causal).l2_bytes == hopper.L2_GROUP_BYTES
+        assert _variant_source(causal, l2_bytes=0) != _source(causal)
         plain = dataclasses.replace(causal, causal="none")
+        assert hopper.tile(plain).l2_bytes == 0
         assert _variant_source(plain, l2_bytes=32 << 20) == _source(plain)
-    bad = KernelKey("fwd", 128, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)
+        wide = dataclasses.replace(causal, head_dim=256)
+        assert hopper.tile(wide).l2_bytes == 0
+    packed = KernelKey("fwd", 128, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)
+    assert hopper.tile(packed).l2_bytes == 0
     with pytest.raises(ValueError, match="l2_bytes"):
-        hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), l2_bytes=1 << 20))
+        hopper.kernel(packed, dataclasses.replace(hopper.tile(packed), l2_bytes=1 << 20))
 
 
 def test_forward_exp2_unclamped():

@@ -15,7 +15,7 @@ import torch
 import tvm_flash
 from tvm_flash import KernelKey, tuning
 from tvm_flash.build import scheduled_module
-from tvm_flash.key import CAUSAL_MODES, HEAD_DIMS
+from tvm_flash.key import CAUSAL_MODES, HEAD_DIMS, LENGTH_BUCKETS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KEY = KernelKey("fwd", 64, "float32", "top-left", 1, "llvm")
@@ -192,9 +192,10 @@ def test_corrupt_log_is_refused(logs, tmp_path, damage):
 def _committed_logs() -> dict:
     """The committed tuning logs: their directory -> key."""
     names = {k.name: k for k in (
-        KernelKey(op, d, dt, c, g, t) for op in ("fwd", "dq", "dkv") for d in HEAD_DIMS
-        for dt in ("float16", "bfloat16", "float32") for c in CAUSAL_MODES for g in (1, 2, 4, 8)
-        for t in ("llvm", "cuda-sm_80", "cuda-sm_90", "cuda-sm_90a"))}
+        KernelKey(op, d, dt, c, g, t, lengths=n) for op in ("fwd", "dq", "dkv")
+        for d in HEAD_DIMS for dt in ("float16", "bfloat16", "float32") for c in CAUSAL_MODES
+        for g in (1, 2, 4, 8) for t in ("llvm", "cuda-sm_80", "cuda-sm_90", "cuda-sm_90a")
+        for n in (0, *LENGTH_BUCKETS))}
     return {p.parent: names[p.parent.name]
             for p in sorted((ROOT / "tuning_logs").glob("*/*/summary.json"))}
 
