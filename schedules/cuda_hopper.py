@@ -175,6 +175,11 @@ class HopperTile:
       whose streamed rows fit this many bytes of L2 — K/V for the forward and dQ, Q/dO for
       dK/dV (``_tile_order``; 0: longest first across all heads), as FlashAttention-3 groups
       heads; the default of dense causal keys up to D 128 (:data:`L2_GROUP_BYTES`).
+    * ``p_once`` (dK/dV): P^T converted to the input dtype once, into the words dV += P^T dO
+      reads, which dS^T = P^T (dP^T - Delta) widens back — the same bits as rounding P^T in
+      place first (the default), one conversion and a widening fewer a score, and S^T's
+      registers free once the words are made. A variant to measure: in ncu's source view of
+      the D 128 dK/dV the conversions drew as many stall samples as the exponentials.
     """
 
     consumers: int = 2
@@ -190,6 +195,7 @@ class HopperTile:
     persistent_keys: int = PERSISTENT_MAX_KEYS
     exp2_fma: int = 0
     l2_bytes: int = 0
+    p_once: bool = False
 
     @property
     def rows(self) -> int:
@@ -1057,6 +1063,8 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if not 0 <= chosen.exp2_fma <= 8 or chosen.exp2_fma and key.op != "fwd":
         raise ValueError(f"{key.name}: tile {chosen}: exp2_fma is the forward's, 0 to 8 of "
                          "every 8 scores")
+    if chosen.p_once and key.op != "dkv":
+        raise ValueError(f"{key.name}: tile {chosen}: p_once is the dK/dV's")
     if chosen.l2_bytes < 0 or chosen.l2_bytes and key.varlen:
         raise ValueError(f"{key.name}: tile {chosen}: l2_bytes orders the blocks of dense "
                          "calls (not packed sequences), a byte count >= 0")
@@ -1479,16 +1487,17 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
 
     @T.macro
     def probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc):
-        """P^T of a complete S^T: rounded to the input dtype (``p``, and as float in ``st``),
-        0 where the causal mask (or the window) hides the key; under a soft cap its slope
-        ``1 - tanh^2`` of S^T into ``sc`` first (dS^T needs it)."""
+        """P^T of a complete S^T: rounded to the input dtype (``p``; as float in ``st`` too,
+        but with ``tile.p_once``: ``st`` unrounded, read no more), 0 where the causal mask (or
+        the window) hides the key; under a soft cap its slope ``1 - tanh^2`` of S^T into
+        ``sc`` first (dS^T needs it)."""
         # element e: key row ``key_row + e % 4 // 2 * 8``, query column ``q0 + col(e)``
         if mods.softcap:
             for e in T.unroll(NS * 4):
                 sc[e] = softcap_slope(st[e], scale, mods, ma)
         for e in T.unroll(NS * 4):
-            st[e] = T.cast(T.cast(prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk,
-                                         ma), dtype), F32)
+            pe = T.meta_var(prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma))
+            st[e] = pe if tile.p_once else T.cast(T.cast(pe, dtype), F32)
         # the columns past Lq need no mask (LSE +inf there): only the causal diagonal (and,
         # under a window, its edges: _mask_needed)
         if _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq, Lk, transposed=True, mods=mods,
@@ -1576,8 +1585,9 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         gemm_rs(mma_o, dv, NO * 4, pw, bdot[0], BQ // 16, ROW)
         T.ptx.wgmma.wait_group.sync.aligned(1)  # dP^T done; dV += P^T dO may run on
         pin(dpt, NS * 4)
-        for e in T.unroll(NS * 4):
-            ds[e] = T.cast(st[e] * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2])
+        for e in T.unroll(NS * 4):  # P^T rounded: in place, or widened from its words
+            pt = T.meta_var(T.cast(p[e], F32) if tile.p_once else st[e])
+            ds[e] = T.cast(pt * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2])
                            * (sc[e] if mods.softcap else T.float32(1)), dtype)
         pin_u32(dsw, NS * 2)
         pin(dk, NO * 4)

@@ -281,6 +281,22 @@ def test_backward_probabilities_in_one_ffma(op, mods):
     assert src.count("condval") < base.count("condval") or src.count("?") < base.count("?")
 
 
+def test_dkv_probabilities_converted_once():
+    """``HopperTile(p_once=True)`` (a dK/dV variant): P^T goes to the input dtype once, into
+    the words dV's product reads, and dS^T widens those words back — no round trip of P^T
+    through the dtype in place (one conversion a score fewer, the same rounded values). ptxas
+    (CPU, bf16, D 128 unmasked): 8 bytes spilled -> 0. The other kernels refuse the field."""
+    key = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")
+    assert not hopper.tile(key).p_once
+    base, once = _source(key), _variant_source(key, p_once=True)
+    round_trip = "((float)((nv_bfloat16)exp2f("
+    assert base.count(round_trip) == 32 and round_trip not in once
+    assert once.count("(nv_bfloat16)") == base.count("(nv_bfloat16)") - 32
+    bad = KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a")
+    with pytest.raises(ValueError, match="p_once"):
+        hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), p_once=True))
+
+
 def test_every_default_tile_unclamped():
     """No default Hopper tile clamps the softmax's exponent (``HopperTile.clamp``, measured
     slower for every op); one special case of the D 64 causal dK/dV kept it by an oversight."""
