@@ -276,7 +276,7 @@ def supports(key: KernelKey) -> bool:
 
 
 L2_GROUP_BYTES = 32 << 20
-"""``HopperTile.l2_bytes`` of dense causal keys up to D 128: the heads whose streamed rows fit
+"""``HopperTile.l2_bytes`` of dense causal keys up to D 128 without a window: the heads whose streamed rows fit
 32 MiB of the H200's 50 MiB L2 take their tiles together (:func:`_tile_order`). H200, bf16,
 causal, the kernel alone, TFLOP/s across all heads -> 32 MiB groups (16 MiB), N 1024 / 4096
 / 16384: forward D 128 293 / 447 / 555 -> 298 / 469 / 560 (261 / 463 / 559), D 64 219 / 350
@@ -289,9 +289,11 @@ docs/results/hopper-sweeps-v8.json). 16 MiB lost at N 1024, where such a group (
 
 def tile(key: KernelKey) -> HopperTile:
     """The default tile of ``key`` (:func:`_tile`), its causal blocks grouped for the L2
-    (:data:`L2_GROUP_BYTES`) where they are dense and D <= 128."""
+    (:data:`L2_GROUP_BYTES`) where they are dense, without a window and D <= 128 (a window
+    bounds the keys a tile streams anyway, and the grouped order cost the windowed causal
+    forward at D 128 4 bytes of spill: ptxas)."""
     chosen = _tile(key)
-    if key.causal != "none" and not key.varlen and key.head_dim <= 128:
+    if key.causal != "none" and not (key.varlen or key.window) and key.head_dim <= 128:
         return dataclasses.replace(chosen, l2_bytes=L2_GROUP_BYTES)
     return chosen
 

@@ -399,8 +399,8 @@ def test_causal_blocks_grouped_for_l2(tiles, heads, group_heads):
 def test_causal_blocks_grouped_for_l2_by_default():
     """Dense causal keys up to D 128 take their blocks in L2-sized groups of heads
     (``HopperTile.l2_bytes``, ``cuda_hopper.L2_GROUP_BYTES``); the field changes the causal
-    kernels' block order only: the unmasked kernels' source is the same with it, larger head
-    dims keep the order across all heads, and packed sequences refuse it."""
+    kernels' block order only: the unmasked kernels' source is the same with it; larger head
+    dims and windowed keys keep the order across all heads; packed sequences refuse it."""
     for op in ("fwd", "dq", "dkv"):
         causal = KernelKey(op, 128, "bfloat16", "top-left", 1, "cuda-sm_90a")
         assert hopper.tile(causal).l2_bytes == hopper.L2_GROUP_BYTES
@@ -410,6 +410,7 @@ def test_causal_blocks_grouped_for_l2_by_default():
         assert _variant_source(plain, l2_bytes=32 << 20) == _source(plain)
         wide = dataclasses.replace(causal, head_dim=256)
         assert hopper.tile(wide).l2_bytes == 0
+        assert hopper.tile(dataclasses.replace(causal, window=True)).l2_bytes == 0
     packed = KernelKey("fwd", 128, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)
     assert hopper.tile(packed).l2_bytes == 0
     with pytest.raises(ValueError, match="l2_bytes"):
