@@ -276,8 +276,9 @@ def supports(key: KernelKey) -> bool:
 
 
 L2_GROUP_BYTES = 32 << 20
-"""``HopperTile.l2_bytes`` of dense causal keys up to D 128 without a window: the heads whose streamed rows fit
-32 MiB of the H200's 50 MiB L2 take their tiles together (:func:`_tile_order`). H200, bf16,
+"""``HopperTile.l2_bytes`` of dense causal keys up to D 128 without a window: the heads whose
+streamed rows fit 32 MiB of the H200's 50 MiB L2 take their tiles together
+(:func:`_tile_order`). H200, bf16,
 causal, the kernel alone, TFLOP/s across all heads -> 32 MiB groups (16 MiB), N 1024 / 4096
 / 16384: forward D 128 293 / 447 / 555 -> 298 / 469 / 560 (261 / 463 / 559), D 64 219 / 350
 / 461 -> 226 / 368 / 465; dQ D 128 375 / 528 / 598 -> 373 / 566 / 616 (323 / 576 / 609), D 64
