@@ -170,7 +170,8 @@ class HopperTile:
     * ``exp2_fma`` (forward, 0-8): of every 8 scores a thread holds, this many take the
       softmax's exponential on the FMA pipe (``kernels.common.exp2_fma``, as accurate) instead
       of the special-function unit, the busiest pipe by instructions in ncu's profile of the
-      D 128 forward — a variant to measure (FlashAttention-4 balances the two so).
+      D 128 forward (FlashAttention-4 balances the two so). Measured 1.8–6.0x slower for 1–3
+      of 8 on the H200 (docs/results/hopper-sweeps-v8.json): not served.
     * ``l2_bytes`` (causal, not packed sequences): tiles longest first within groups of heads
       whose streamed rows fit this many bytes of L2 — K/V for the forward and dQ, Q/dO for
       dK/dV (``_tile_order``; 0: longest first across all heads), as FlashAttention-3 groups
@@ -278,14 +279,13 @@ def supports(key: KernelKey) -> bool:
 L2_GROUP_BYTES = 32 << 20
 """``HopperTile.l2_bytes`` of dense causal keys up to D 128 without a window: the heads whose
 streamed rows fit 32 MiB of the H200's 50 MiB L2 take their tiles together
-(:func:`_tile_order`). H200, bf16,
-causal, the kernel alone, TFLOP/s across all heads -> 32 MiB groups (16 MiB), N 1024 / 4096
-/ 16384: forward D 128 293 / 447 / 555 -> 298 / 469 / 560 (261 / 463 / 559), D 64 219 / 350
-/ 461 -> 226 / 368 / 465; dQ D 128 375 / 528 / 598 -> 373 / 566 / 616 (323 / 576 / 609), D 64
-341 / 435 / 502 -> 352 / 481 / 529; dK/dV D 128 304 / 459 / 526 -> 337 / 497 / 537 (351 /
-505 / 535), D 64 223 / 322 / 364 -> 230 / 330 / 365 (twelfth session,
-docs/results/hopper-sweeps-v8.json). 16 MiB lost at N 1024, where such a group (32 heads of
-8 tiles at D 128) is under two waves of 132 SMs; larger head dims were not measured."""
+(:func:`_tile_order`). H200, bf16, causal, the kernel alone, TFLOP/s across all heads -> 32 MiB
+groups (16 MiB), N 1024 / 4096 / 16384: forward D 128 293 / 447 / 555 -> 298 / 469 / 560 (261 /
+463 / 559), D 64 219 / 350 / 461 -> 226 / 368 / 465; dQ D 128 375 / 528 / 598 -> 373 / 566 /
+616 (323 / 576 / 609), D 64 341 / 435 / 502 -> 352 / 481 / 529; dK/dV D 128 304 / 459 / 526 ->
+337 / 497 / 537 (351 / 505 / 535), D 64 223 / 322 / 364 -> 230 / 330 / 365 (twelfth session,
+docs/results/hopper-sweeps-v8.json). 16 MiB lost at N 1024, where such a group (32 heads of 8
+tiles at D 128) is under two waves of 132 SMs; larger head dims were not measured."""
 
 
 def tile(key: KernelKey) -> HopperTile:

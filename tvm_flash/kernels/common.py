@@ -221,7 +221,8 @@ TANH_FORMS = ("exp2", "approx", "fma")
 and the division's reciprocal), the hardware's (``tanh.approx.f32``, one; relative error
 about 2^-11, so a soft cap of 30 moves a score by up to 0.015) and the exp2 one with the
 exponential on the FMA pipe (:func:`exp2_fma`; one special-function operation, the
-reciprocal, at the exp2 form's accuracy)."""
+reciprocal, at the exp2 form's accuracy; as TVM prints it the soft-capped kernels ran 9–24x
+slower on the H200, docs/results/hopper-sweeps-v8.json: not served)."""
 
 
 def tanh(x, form: str = "exp2"):
