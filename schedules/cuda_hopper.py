@@ -176,11 +176,18 @@ class HopperTile:
       whose streamed rows fit this many bytes of L2 — K/V for the forward and dQ, Q/dO for
       dK/dV (``_tile_order``; 0: longest first across all heads), as FlashAttention-3 groups
       heads; the default of dense causal keys up to D 128 (:data:`L2_GROUP_BYTES`).
-    * ``p_once`` (dK/dV): P^T converted to the input dtype once, into the words dV += P^T dO
-      reads, which dS^T = P^T (dP^T - Delta) widens back — the same bits as rounding P^T in
-      place first (the default), one conversion and a widening fewer a score, and S^T's
-      registers free once the words are made. A variant to measure: in ncu's source view of
-      the D 128 dK/dV the conversions drew as many stall samples as the exponentials.
+    * ``p_once`` (dK/dV, not split): P^T converted to the input dtype once, into the words
+      dV += P^T dO reads, which dS^T = P^T (dP^T - Delta) widens back — the same bits as
+      rounding P^T in place first, one conversion and a widening fewer a score, and S^T's
+      registers free once the words are made (in ncu's source view of the D 128 dK/dV the
+      conversions drew as many stall samples as the exponentials). The default of every tile
+      that is not split (:func:`_dkv_tile`).
+    * ``stats_early`` (dK/dV, neither split nor with the fused dQ): each thread reads its
+      queries' LSE from the stage into registers right after issuing S^T and dP^T, and their
+      Delta right after issuing dV += P^T dO — before the waits on those products, so the
+      shared-memory latency hides behind them (ncu, D 128 dK/dV: 22% of stall samples were
+      short-scoreboard waits of the FFMA on LSE and the FADD on Delta, read where used). Costs
+      ``tile.step / 4`` registers beside the products in flight. A variant to measure.
     """
 
     consumers: int = 2
@@ -197,6 +204,7 @@ class HopperTile:
     exp2_fma: int = 0
     l2_bytes: int = 0
     p_once: bool = False
+    stats_early: bool = False
 
     @property
     def rows(self) -> int:
@@ -328,7 +336,7 @@ def _tile(key: KernelKey) -> HopperTile:
             # for every dK/dV (HopperTile.clamp; this tile kept the clamp by an oversight until
             # the twelfth session): causal N 1024 / 4096 / 16384 222 / 320 / 366 -> 226 / 328 /
             # 389 TFLOP/s (docs/results/hopper-sweeps-v7.json)
-            return HopperTile(consumers=3, step=32, stages=3, clamp=False)
+            return HopperTile(consumers=3, step=32, stages=3, clamp=False, p_once=True)
         if d == 64 and key.lengths == 1024 and plain:
             # calls up to 1024 long: 96-query steps leave a third of the last step empty at
             # N 512; H200, bf16, the kernel alone, unmasked N 512 / 1024: 214 / 279 -> 228 /
@@ -409,10 +417,20 @@ def _dkv_tile(d: int) -> HopperTile:
     16-query steps, 345 / 339 with 204 bytes spilled), D 224 split 492 / 385, D 256 541 / 422
     (32-query steps, three stages: 467 / 394; ``mma.sync`` 206 / 189). The split tile loses
     below D 192: each warpgroup issues only half of a step's GEMMs, and 64 keys a block reread
-    Q and dO twice as often."""
+    Q and dO twice as often.
+
+    P^T converted once (``HopperTile.p_once``; the split tile's dK warpgroup widens the words
+    it is handed anyway): H200, bf16, the kernel alone, TFLOP/s rounded in place -> once,
+    N 1024 / 4096 / 16384, D 64 unmasked 286 / 389 / 454 -> 296 / 395 / 489, causal 235 / 350
+    / 392 -> 246 / 377 / 434; D 128 unmasked 452 / 552 / 563 -> 436 / 565 / 574, causal 339 /
+    502 / 526 -> 340 / 511 / 570; N 4096 / 16384, D 96 unmasked 453 / 491 -> 477 / 539, causal
+    421 / 471 -> 437 / 484, D 160 unmasked 512 / 536 -> 529 / 558, causal 432 / 486 -> 442 /
+    514 (thirteenth session, docs/results/hopper-sweeps-v9.json; ptxas: D 128 unmasked 8
+    bytes spilled -> 0)."""
     if d >= 192:
         return HopperTile(step=64, stages=3 if d == 192 else 2, split=True, clamp=False)
-    return HopperTile(step=96 if d == 64 else 64 if d <= 128 else 32, stages=3, clamp=False)
+    return HopperTile(step=96 if d == 64 else 64 if d <= 128 else 32, stages=3, clamp=False,
+                      p_once=True)
 
 
 @T.macro
@@ -1066,6 +1084,9 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if not 0 <= chosen.exp2_fma <= 8 or chosen.exp2_fma and key.op != "fwd":
         raise ValueError(f"{key.name}: tile {chosen}: exp2_fma is the forward's, 0 to 8 of "
                          "every 8 scores")
+    if chosen.stats_early and (key.op != "dkv" or chosen.split or chosen.dq):
+        raise ValueError(f"{key.name}: tile {chosen}: stats_early is the dK/dV's, neither "
+                         "split nor with the fused dQ")
     if chosen.p_once and key.op != "dkv":
         raise ValueError(f"{key.name}: tile {chosen}: p_once is the dK/dV's")
     if chosen.l2_bytes < 0 or chosen.l2_bytes and key.varlen:
@@ -1476,11 +1497,12 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     qt_ldo, qt_sdo = BQ * ROW, 8 * ROW  # Q and dO read MN-major (dK += dS^T Q, dV += P^T dO)
     regs_consumer = consumer_regs(NC)
 
-    def prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma):
+    def prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma, sr=None):
         """P^T of element ``e`` (``_prob`` unguarded) of its modified score (``s * scale``
         itself without a soft cap or ALiBi; ``ma.slopes[0, 0]``: the step's query head's
-        slope)."""
-        lse = stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2]
+        slope); its LSE from the stage, or from ``sr`` (``tile.stats_early``)."""
+        lse = (sr[e // 4 * 2 + e % 2] if sr is not None
+               else stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2])
         score = modified_score(st[e], scale, mods, ma, causal, 0, 0, q0 + lane % 4 * 2,
                                key_row, Lq, Lk, e // 4 * 8 + e % 2 - e % 4 // 2 * 8,
                                unit=1.0 if tile.clamp else LOG2E)
@@ -1489,7 +1511,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         return exp2_clamped((score - lse) * T.float32(LOG2E))
 
     @T.macro
-    def probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc):
+    def probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc, sr=None):
         """P^T of a complete S^T: rounded to the input dtype (``p``; as float in ``st`` too,
         but with ``tile.p_once``: ``st`` unrounded, read no more), 0 where the causal mask (or
         the window) hides the key; under a soft cap its slope ``1 - tanh^2`` of S^T into
@@ -1499,7 +1521,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             for e in T.unroll(NS * 4):
                 sc[e] = softcap_slope(st[e], scale, mods, ma)
         for e in T.unroll(NS * 4):
-            pe = T.meta_var(prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma))
+            pe = T.meta_var(prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma,
+                                   sr))
             st[e] = pe if tile.p_once else T.cast(T.cast(pe, dtype), F32)
         # the columns past Lq need no mask (LSE +inf there): only the causal diagonal (and,
         # under a window, its edges: _mask_needed)
@@ -1566,7 +1589,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
 
     @T.macro
     def step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo, bqt,
-             bdot, i, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc):
+             bdot, i, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc, sr):
         """One query tile (step ``i``, rows from ``q0``): dV += P^T dO, dK += dS^T Q."""
         sg = T.meta_var(i % ST)
         _desc(bq[0], T.address_of(Qs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
@@ -1579,19 +1602,28 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         T.ptx.wgmma.fence.sync.aligned()
         gemm_ss(mma_s, st, NS * 4, ka[0], BN, bq[0], BQ, D // 16, KA, ROW)
         gemm_ss(mma_s, dpt, NS * 4, va[0], BN, bdo[0], BQ, D // 16, KA, ROW)
+        if tile.stats_early:  # the queries' LSE while S^T runs
+            for j in T.unroll(NS * 2):
+                sr[j] = stats[sg, 0, j // 2 * 8 + lane % 4 * 2 + j % 2]
         T.ptx.wgmma.wait_group.sync.aligned(1)  # S^T done
         pin(st, NS * 4)
-        probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc)
+        probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc,
+              sr if tile.stats_early else None)
         pin_u32(pw, NS * 2)
         pin(dv, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
         gemm_rs(mma_o, dv, NO * 4, pw, bdot[0], BQ // 16, ROW)
+        if tile.stats_early:  # their Delta while dP^T runs (the LSE's registers)
+            for j in T.unroll(NS * 2):
+                sr[j] = stats[sg, 1, j // 2 * 8 + lane % 4 * 2 + j % 2]
         T.ptx.wgmma.wait_group.sync.aligned(1)  # dP^T done; dV += P^T dO may run on
         pin(dpt, NS * 4)
         for e in T.unroll(NS * 4):  # P^T rounded: in place, or widened from its words
             pt = T.meta_var(T.cast(p[e], F32) if tile.p_once else st[e])
-            ds[e] = T.cast(pt * (dpt[e] - stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2])
-                           * (sc[e] if mods.softcap else T.float32(1)), dtype)
+            delta = T.meta_var(sr[e // 4 * 2 + e % 2] if tile.stats_early
+                               else stats[sg, 1, e // 4 * 8 + lane % 4 * 2 + e % 2])
+            ds[e] = T.cast(pt * (dpt[e] - delta) * (sc[e] if mods.softcap else T.float32(1)),
+                           dtype)
         pin_u32(dsw, NS * 2)
         pin(dk, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
@@ -2075,6 +2107,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                 sc = T.alloc_buffer((NS * 4,), F32, scope="local")
             if mods.alibi:  # the step's query head's slope, as ModArgs.slopes[0, 0]
                 sl = T.alloc_buffer((1, 1), F32, scope="local")
+            if tile.stats_early:  # the step's LSE, then Delta, of the thread's queries
+                sr = T.alloc_buffer((NS * 2,), F32, scope="local")
             ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
                                     softcap))
             cw = T.meta_var(tx // WG - 1)
@@ -2126,7 +2160,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                         sl[0, 0] = Slopes[sq[4] if varlen else c[0], w[1]]
                     step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo,
                          bqt, bdot, i, w[0], key_row, row0, lane, scale, lq, lk, ma,
-                         sc if mods.softcap else None)
+                         sc if mods.softcap else None, sr if tile.stats_early else None)
                     advance(w, c, lq)
             if not SPLIT:
                 store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk,

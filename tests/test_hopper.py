@@ -282,19 +282,47 @@ def test_backward_probabilities_in_one_ffma(op, mods):
 
 
 def test_dkv_probabilities_converted_once():
-    """``HopperTile(p_once=True)`` (a dK/dV variant): P^T goes to the input dtype once, into
-    the words dV's product reads, and dS^T widens those words back — no round trip of P^T
-    through the dtype in place (one conversion a score fewer, the same rounded values). ptxas
-    (CPU, bf16, D 128 unmasked): 8 bytes spilled -> 0. The other kernels refuse the field."""
+    """``HopperTile(p_once=True)`` (the default of every dK/dV tile but the split one): P^T
+    goes to the input dtype once, into the words dV's product reads, and dS^T widens those
+    words back — no round trip of P^T through the dtype in place (one conversion a score
+    fewer, the same rounded values). ptxas (CPU, bf16, D 128 unmasked): 8 bytes spilled -> 0.
+    The other kernels refuse the field."""
     key = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")
-    assert not hopper.tile(key).p_once
-    base, once = _source(key), _variant_source(key, p_once=True)
+    for d, causal in ((64, "none"), (64, "top-left"), (96, "none"), (128, "bottom-right"),
+                      (160, "none"), (192, "none"), (256, "top-left")):
+        chosen = hopper.tile(KernelKey("dkv", d, "float16", causal, 2, "cuda-sm_90a"))
+        assert chosen.p_once != chosen.split
+    once, base = _source(key), _variant_source(key, p_once=False)
     round_trip = "((float)((nv_bfloat16)exp2f("
     assert base.count(round_trip) == 32 and round_trip not in once
     assert once.count("(nv_bfloat16)") == base.count("(nv_bfloat16)") - 32
     bad = KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a")
     with pytest.raises(ValueError, match="p_once"):
         hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), p_once=True))
+
+
+def test_dkv_statistics_read_before_the_waits():
+    """``HopperTile(stats_early=True)`` (a dK/dV variant): each thread's 16 LSE (D 128, 64-query
+    steps) and then its 16 Delta leave shared memory into registers right before the wait on
+    S^T and on dP^T, the products that precede their use — the default reads them where used,
+    after. Neither the split nor the fused dQ tile has it, nor the other kernels."""
+    key = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")
+    wait = "wait_group_sync_aligned_1();"
+    for src, early in ((_source(key), False), (_variant_source(key, stats_early=True), True)):
+        lines = src.splitlines()
+        at = [i for i, line in enumerate(lines) if line.strip().endswith(wait)]
+        assert len(at) == 2  # S^T complete, then dP^T complete
+        for i in at:
+            ahead = lines[i - 16:i]
+            assert all(line.strip().startswith("sr_ptr[") and "pool_ptr" in line
+                       for line in ahead) == early
+        assert ("sr_ptr" in src) == early
+    for bad in (KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a"),
+                KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a")):
+        with pytest.raises(ValueError, match="stats_early"):
+            hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), stats_early=True))
+    with pytest.raises(ValueError, match="stats_early"):
+        hopper.kernel(key, dataclasses.replace(FUSED, stats_early=True))
 
 
 def test_every_default_tile_unclamped():
