@@ -187,7 +187,10 @@ class HopperTile:
       Delta right after issuing dV += P^T dO — before the waits on those products, so the
       shared-memory latency hides behind them (ncu, D 128 dK/dV: 22% of stall samples were
       short-scoreboard waits of the FFMA on LSE and the FADD on Delta, read where used). Costs
-      ``tile.step / 4`` registers beside the products in flight. A variant to measure.
+      ``tile.step / 4`` registers beside the products in flight (ptxas: no spill at D 64-128).
+      Measured no gain on the H200 (bf16, the kernel alone, N 4096 / 16384: D 64 unmasked
+      -9 / -6%, causal +1%; D 128 unmasked -5 / +2%, causal -2%;
+      docs/results/hopper-sweeps-v9.json): not served.
     """
 
     consumers: int = 2
