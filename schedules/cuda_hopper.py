@@ -1931,14 +1931,19 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                                 T.address_of(DQacc[c[0], w[1], w[0], 0]),
                                 T.address_of(dqt[0]), T.uint32(dq_bytes))
                             T.ptx["cp.async.bulk.commit_group"]()
-                            T.ptx["cp.async.bulk.wait_group"](0)  # added, not only read
+                            # the tile read: the consumers may write the next one while the
+                            # add goes on in the L2 (FlashAttention-3 frees its tile so)
+                            T.ptx["cp.async.bulk.wait_group.read"](0)
+                        T.cuda.warp_sync()
+                        if i + 1 < c[5]:
+                            T.ptx.barrier.arrive.aligned(DQ_EMPTY, DQ_THREADS)
+                        if tx == 32:  # the counter moves on only once the add is complete
+                            T.ptx["cp.async.bulk.wait_group"](0)
                             T.ptx["fence.proxy.async.global"]()
                             T.ptx["fence.acq_rel.gpu"]()
                             T.ptx["red.release.gpu.global.add.s32"](
                                 T.address_of(Sem[c[0], w[1], w[0] // BQ]), T.int32(1))
-                        T.cuda.warp_sync()
-                        if i + 1 < c[5]:
-                            T.ptx.barrier.arrive.aligned(DQ_EMPTY, DQ_THREADS)
+                        T.cuda.warp_sync()  # converged for the next aligned barrier
                         advance_dq(w, c, Lq)
             else:  # -------------------------------------------------------------- consumers
                 T.ptx.setmaxnreg.inc.sync.aligned.u32(regs_consumer)

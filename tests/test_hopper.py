@@ -204,7 +204,8 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
     """The fused dK/dV + dQ kernel lowers to wgmma (dS^T from shared memory, dQ's operands
     both MN-major; dQ before dK), adds its dQ tile by a bulk reduce once the tile's counter
     says the key tiles before it have, and releases the counter after the add completed; it
-    is built only at D 128 and never selected by ``tile``."""
+    is built only at D 128 and never selected by ``tile``. The writer frees the shared dQ
+    tile for the next step once the add has read it, before the add completes."""
     src = _fused_source(causal)
     _register_handoff_fits(src)
     for needle in ("wgmma.mma_async.sync.aligned.m64n64k16", "ld.acquire.gpu.global.b32",
@@ -215,6 +216,10 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
     # at the call sites (the last occurrences; the first are the helpers' definitions)
     assert (src.rindex("wait_group_0()") < src.rindex("fence_acq_rel_gpu()")
             < src.rindex("red_release_gpu_global_add_s32("))
+    # the writer: the tile read, the consumers told (DQ_EMPTY, 288 threads), then completion
+    add_at = src.rindex("add_f32(")
+    read_at = src.index("wait_group_read_0()", add_at)
+    assert read_at < src.index("(uint)288", read_at) < src.rindex("wait_group_0()")
     # a step: dQ (both operands MN-major) issued before dK, and its result stored for the
     # writer while dK runs (wait_group 1), the stage released after both (wait_group 0)
     dq_at = src.rindex("m64n64k16_f32_bf16_bf16_1_1_1_1(")
