@@ -191,6 +191,13 @@ class HopperTile:
       Measured no gain on the H200 (bf16, the kernel alone, N 4096 / 16384: D 64 unmasked
       -9 / -6%, causal +1%; D 128 unmasked -5 / +2%, causal -2%;
       docs/results/hopper-sweeps-v9.json): not served.
+    * ``overlap`` (dK/dV, neither split nor with the fused dQ): a step does not wait for its
+      dK += dS^T Q — the next step's S^T and dP^T are issued behind it, and the wait that
+      hands the next step its S^T also completes dK (and dV) and frees the stage before. The
+      tensor cores then see no gap between a step's last product and the next one's first;
+      P^T's and dS^T's words live one wait longer (ptxas: D 64's and 96's default tiles and
+      D 128 with 48-query steps keep the wgmma asynchronous; D 128's 64-query steps and D 64's
+      128 serialise them, C7512). A variant to measure.
     """
 
     consumers: int = 2
@@ -208,6 +215,7 @@ class HopperTile:
     l2_bytes: int = 0
     p_once: bool = False
     stats_early: bool = False
+    overlap: bool = False
 
     @property
     def rows(self) -> int:
@@ -1087,6 +1095,9 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if not 0 <= chosen.exp2_fma <= 8 or chosen.exp2_fma and key.op != "fwd":
         raise ValueError(f"{key.name}: tile {chosen}: exp2_fma is the forward's, 0 to 8 of "
                          "every 8 scores")
+    if chosen.overlap and (key.op != "dkv" or chosen.split or chosen.dq):
+        raise ValueError(f"{key.name}: tile {chosen}: overlap is the dK/dV's, neither split "
+                         "nor with the fused dQ")
     if chosen.stats_early and (key.op != "dkv" or chosen.split or chosen.dq):
         raise ValueError(f"{key.name}: tile {chosen}: stats_early is the dK/dV's, neither "
                          "split nor with the fused dQ")
@@ -1591,9 +1602,22 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         accumulate_and_release(dk, dsw, bqt, bars, sg)
 
     @T.macro
+    def drain(dk, dv, bars, sg):
+        """dV and dK of the step on stage ``sg`` complete; the stage is free."""
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        pin(dv, NO * 4)
+        pin(dk, NO * 4)
+        # every thread arrives after its own reads of the stage's LSE and Delta: one arrival
+        # per warp (after a __syncwarp) or per warpgroup (after a named barrier) orders them as
+        # well, but compute-sanitizer's racecheck, which follows only a thread's own arrival,
+        # reports the producer's next writes racing those reads
+        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
+
+    @T.macro
     def step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo, bqt,
              bdot, i, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc, sr):
-        """One query tile (step ``i``, rows from ``q0``): dV += P^T dO, dK += dS^T Q."""
+        """One query tile (step ``i``, rows from ``q0``): dV += P^T dO, dK += dS^T Q (with
+        ``tile.overlap`` left running: :func:`drain` after the last step)."""
         sg = T.meta_var(i % ST)
         _desc(bq[0], T.address_of(Qs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
         _desc(bdo[0], T.address_of(dOs[sg, 0, 0, 0]), 1, 8 * ROW, SW)
@@ -1608,8 +1632,15 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         if tile.stats_early:  # the queries' LSE while S^T runs
             for j in T.unroll(NS * 2):
                 sr[j] = stats[sg, 0, j // 2 * 8 + lane % 4 * 2 + j % 2]
-        T.ptx.wgmma.wait_group.sync.aligned(1)  # S^T done
+        T.ptx.wgmma.wait_group.sync.aligned(1)  # S^T done (overlap: the step before's too)
         pin(st, NS * 4)
+        if tile.overlap:  # the step before's dV and dK read these words until now
+            pin_u32(pw, NS * 2)
+            pin_u32(dsw, NS * 2)
+            pin(dv, NO * 4)
+            pin(dk, NO * 4)
+            if i > 0:  # its stage is free
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + (i - 1) % ST]))
         probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc,
               sr if tile.stats_early else None)
         pin_u32(pw, NS * 2)
@@ -1631,14 +1662,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         pin(dk, NO * 4)
         T.ptx.wgmma.fence.sync.aligned()
         gemm_rs(mma_o, dk, NO * 4, dsw, bqt[0], BQ // 16, ROW)
-        T.ptx.wgmma.wait_group.sync.aligned(0)  # dV and dK done: the stage is free
-        pin(dv, NO * 4)
-        pin(dk, NO * 4)
-        # every thread arrives after its own reads of the stage's LSE and Delta: one arrival
-        # per warp (after a __syncwarp) or per warpgroup (after a named barrier) orders them as
-        # well, but compute-sanitizer's racecheck, which follows only a thread's own arrival,
-        # reports the producer's next writes racing those reads
-        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + sg]))
+        if not tile.overlap:
+            drain(dk, dv, bars, sg)
 
     @T.macro
     def first(w, c, Lq):
@@ -2170,6 +2195,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                          bqt, bdot, i, w[0], key_row, row0, lane, scale, lq, lk, ma,
                          sc if mods.softcap else None, sr if tile.stats_early else None)
                     advance(w, c, lq)
+                if tile.overlap:  # the last step's dK
+                    drain(dk, dv, bars, (c[5] - 1) % ST)
             if not SPLIT:
                 store(dK, dKf, kob, koh, kol, dk, scale, c, key_row, lane, Lk,
                       sq if varlen else None)

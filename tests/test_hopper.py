@@ -330,6 +330,36 @@ def test_dkv_statistics_read_before_the_waits():
         hopper.kernel(key, dataclasses.replace(FUSED, stats_early=True))
 
 
+def test_dkv_overlapped_steps(tmp_path):
+    """``HopperTile(overlap=True)`` (a dK/dV variant): a step leaves its dK += dS^T Q running;
+    the next step frees the stage before once its own S^T is awaited (that wait completes the
+    step before's products too), and the last step's are awaited after the loop. ptxas keeps
+    the D 64 default tile in registers with the wgmma unserialised (at D 128 it serialises
+    them: C7512). Not for the split or fused tiles or the other kernels."""
+    key = KernelKey("dkv", 64, "bfloat16", "none", 1, "cuda-sm_90a")
+    loop = "for (int64_t i_1 = (int64_t)0; i_1 < c_ptr[5]; ++i_1) {"
+    for src, overlapped in ((_source(key), False), (_variant_source(key, overlap=True), True)):
+        body = src[src.rindex(loop):]  # the consumers' walk over the steps
+        wait0 = body.index("wait_group_sync_aligned_0();")
+        assert ("if ((int64_t)0 < i_1) {" in body[:wait0]) == overlapped  # the stage before
+        arrive = body.index("mbarrier_arrive", wait0)  # the stage the wait frees: the last
+        assert ("c_ptr[5]" in body[arrive:body.index("\n", arrive)]) == overlapped
+    if shutil.which("nvcc"):
+        src = tmp_path / "k.cu"
+        src.write_text(_variant_source(key, overlap=True))
+        res = subprocess.run(["nvcc", "-gencode", "arch=compute_90a,code=sm_90a", "-cubin",
+                              "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(src)],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert max(int(n) for n in re.findall(r"(\d+) bytes spill stores", res.stderr)) == 0
+        assert not re.findall(r"\(C75(1[0-9])\)", res.stderr), res.stderr
+    for bad, tile in ((KernelKey("dq", 64, "bfloat16", "none", 1, "cuda-sm_90a"), None),
+                      (KernelKey("dkv", 256, "bfloat16", "none", 1, "cuda-sm_90a"), None),
+                      (KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a"), FUSED)):
+        with pytest.raises(ValueError, match="overlap"):
+            hopper.kernel(bad, dataclasses.replace(tile or hopper.tile(bad), overlap=True))
+
+
 def test_every_default_tile_unclamped():
     """No default Hopper tile clamps the softmax's exponent (``HopperTile.clamp``, measured
     slower for every op); one special case of the D 64 causal dK/dV kept it by an oversight."""
