@@ -80,6 +80,10 @@ def main(argv=None) -> int:
     p.add_argument("--logs", default=str(ROOT / "tuning_logs"), help="tuning log root")
     p.add_argument("--dry-run", action="store_true",
                    help="generate and build every design space; measure nothing")
+    p.add_argument("--flush-l2", action="store_true",
+                   help="variant kernels: time each call alone after clearing the GPU's L2, "
+                        "as scripts/bench.py's timings do (default: MetaSchedule's, calls "
+                        "back to back)")
     p.add_argument("--jobs", type=int, default=1,
                    help="tuning processes (variant kernels): each tunes every N-th kernel, "
                         "building in parallel with the others; timing on the device is "
@@ -102,6 +106,11 @@ def main(argv=None) -> int:
         if factory:  # MetaSchedule's own search times inside tune(), outside our lock
             p.error(f"--jobs tunes variant kernels only; {factory[0]} is searched by "
                     "MetaSchedule's tuner, run it with --jobs 1")
+    if args.flush_l2 and not args.dry_run:
+        factory = [k.name for k in keys if not schedules.lowers(target_kind(k.target), k)]
+        if factory:  # MetaSchedule's own search times with its own evaluator
+            p.error(f"--flush-l2 times variant kernels only; {factory[0]} is searched by "
+                    "MetaSchedule's tuner")
     if args.jobs > 1 and args.worker is None:
         return _spawn(argv if argv is not None else sys.argv[1:], args.jobs)
     lock, prefix = None, ""
@@ -127,6 +136,7 @@ def main(argv=None) -> int:
         elif lowered:  # its variants as workloads, xgboost choosing which to measure
             tuning.tune_variants(key, args.logs, args.trials, keep_top=args.keep_top,
                                  measure_lock=lock, build_workers=args.build_workers,
+                                 flush_l2=args.flush_l2,
                                  log=lambda line: print(prefix + line, flush=True))
         else:
             tuning.tune(key, args.logs, args.trials, max_tiles=args.max_tiles,

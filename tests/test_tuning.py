@@ -367,6 +367,51 @@ def test_variant_workload_is_the_deployed_kernel():
     assert [int(x) for x in args[0].shape] == [shape["B"], shape["Hq"], shape["L"], 128]
 
 
+def test_flushed_evaluator_times_each_call_after_a_flush(monkeypatch):
+    """``tune.py --flush-l2``'s run evaluator: ``number * repeat`` calls per argument set,
+    each timed alone right after the flush (TVM's timer calls its ``f_preproc`` before every
+    repeat), as ``scripts/bench.py`` times kernels — here on the CPU, where the flush is a
+    host write."""
+    import numpy as np
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.script import tirx as T
+
+    tvm = tuning.tvm
+
+    @T.prim_func
+    def add_one(a: T.Buffer((256,), "float32"), b: T.Buffer((256,), "float32")):
+        T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+        for i in range(256):
+            b[i] = a[i] + T.float32(1)
+
+    mod = tvm.tirx.build(tvm.IRModule({"main": add_one}), target="llvm")
+    flushes = []
+    real = tuning._flusher
+
+    def counted(device, nbytes):
+        flush = real(device, nbytes)
+        return lambda: (flushes.append(nbytes), flush())
+
+    monkeypatch.setattr(tuning, "_flusher", counted)
+    dev = tvm.cpu(0)
+    a = tvm.runtime.tensor(np.random.rand(256).astype("float32"), dev)
+    b = tvm.runtime.tensor(np.zeros(256, "float32"), dev)
+    costs = tuning.flushed_run_evaluator(mod, dev, ms.runner.EvaluatorConfig(number=2, repeat=3),
+                                         [[a, b], [a, b]], flush_bytes=1 << 16)
+    assert len(costs) == 12 and all(c > 0 for c in costs)
+    assert flushes == [1 << 16] * 12
+    np.testing.assert_allclose(b.numpy(), a.numpy() + 1)
+
+
+def test_flush_l2_is_for_variant_kernels():
+    """``tune.py --flush-l2`` refuses a kernel MetaSchedule's own search tunes (its timing is
+    not the variant tuner's), naming it."""
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target", "llvm",
+                          "--kernels", "fwd", "--head-dims", "64", "--dtypes", "fp32",
+                          "--causal", "none", "--flush-l2"], capture_output=True, text=True)
+    assert res.returncode == 2 and "--flush-l2" in res.stderr and "fwd-d64" in res.stderr
+
+
 def test_variant_tuning_loop(tmp_path, monkeypatch):
     """The variant tuner's loop — first batch the default and a seeded draw, then the variants
     the xgboost model ranks fastest, records in MetaSchedule's database, resume, summary, and

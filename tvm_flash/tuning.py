@@ -498,10 +498,63 @@ def _spearman(xs: list, ys: list) -> float | None:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry, strict=True)) / (n * (n * n - 1))
 
 
+L2_FLUSH_BYTES = 256 << 20
+"""Bytes :func:`flushed_run_evaluator` writes before each timed call — as
+``triton.testing.do_bench`` (``scripts/bench.py``, ``scripts/sweep_hopper.py``) clears the L2
+before each of its calls."""
+
+_FLUSH = "tvm_flash.tuning.flush"  # the flush, a global function in the timing process
+
+
+def flushed_run_evaluator(rt_mod, device, evaluator_config, repeated_args,
+                          flush_bytes: int = L2_FLUSH_BYTES) -> list[float]:
+    """MetaSchedule's run evaluator (``LocalRunner(f_run_evaluator=...)``), but every call
+    timed alone after ``flush_bytes`` of memory were written (``number * repeat`` calls an
+    argument set): the kernel measured from memory, as the benchmarks measure it, not from
+    the L2 its previous call left warm. MetaSchedule's own evaluator times ``number`` calls
+    back to back (the tuner's dQ D 128 choices, 2-5% faster so, ran the backward 7-8% slower
+    in ``scripts/bench.py``: docs/journal/2026-12-01-tuning.md). TVM's timer runs the
+    function once before its repeats; the flush, its ``f_preproc``, runs before each."""
+    flush = _flusher(device, flush_bytes)
+
+    def preproc(*_):  # TVM's timer passes the arguments; it takes no result back
+        flush()
+
+    tvm_ffi.register_global_func(_FLUSH, preproc, override=True)
+    calls = evaluator_config.number * evaluator_config.repeat
+    evaluator = rt_mod.time_evaluator(rt_mod.entry_name, device, number=1, repeat=calls,
+                                      min_repeat_ms=0, f_preproc=_FLUSH)
+    costs = []
+    for args in repeated_args:
+        device.sync()
+        costs.extend(float(x) for x in evaluator(*args).results)
+    return costs
+
+
+def _flusher(device, nbytes: int):
+    """A function that writes ``nbytes`` on ``device`` and waits for it: through torch on a
+    CUDA device (its kernels run on the stream TVM's timer then uses, after the wait), with
+    numpy on the CPU."""
+    if device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type():
+        import numpy as np
+
+        host = np.empty(nbytes // 4, dtype=np.int32)
+        return lambda: host.fill(0)
+    import torch
+
+    cache = torch.empty(nbytes // 4, dtype=torch.int32, device=f"cuda:{device.index}")
+
+    def flush():
+        cache.zero_()
+        torch.cuda.synchronize(cache.device)
+    return flush
+
+
 def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_top: int = 2,
                   shape: dict | None = None, seed: int = 0, batch: int = 4,
                   measure_lock: str | os.PathLike | None = None,
-                  build_workers: int | None = None, confirm: int = 3, log=print) -> dict:
+                  build_workers: int | None = None, confirm: int = 3,
+                  flush_l2: bool = False, log=print) -> dict:
     """Tune a hand-lowered kernel over its variants (``schedules.variants``) on this machine,
     resuming from its log under ``root``; write the log and return its summary.
 
@@ -515,7 +568,8 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
 
     ``confirm``: when the search's fastest variant is not the default, the two are timed
     again ``confirm`` times each, alternating, and the default stays unless the variant's
-    median is faster (``summary["confirmed"]``); 0 skips this.
+    median is faster (``summary["confirmed"]``); 0 skips this. ``flush_l2``: each call timed
+    alone from a cleared L2 (:func:`flushed_run_evaluator`), as the benchmarks time them.
 
     A log that already holds ``trials`` measurements (or every variant) is returned as it is.
     ``measure_lock``: a file that several tuning processes lock while they time candidates
@@ -567,8 +621,10 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
         builder = ms.builder.LocalBuilder(f_build=_build_function(key),
                                           max_workers=build_workers)
         # three timings of ~100 ms each per candidate (MetaSchedule's default is one)
-        runner = ms.runner.LocalRunner(evaluator_config=ms.runner.EvaluatorConfig(
-            number=3, repeat=3, min_repeat_ms=100))
+        runner = ms.runner.LocalRunner(
+            evaluator_config=ms.runner.EvaluatorConfig(
+                number=3, repeat=3, min_repeat_ms=0 if flush_l2 else 100),
+            **({"f_run_evaluator": flushed_run_evaluator} if flush_l2 else {}))
 
         def measure(order: list[int]) -> dict[int, list[float]]:
             """Build and time the variants ``order`` names (in that order; one may repeat),
@@ -643,7 +699,8 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
                "variants": len(found),
                "ranking": {"spearman": ranking, "scored": len(scored)},
                "confirmed": confirmed,
-               "timed": "the kernel as built, shapes at run time (variant_workload)",
+               "timed": "the kernel as built, shapes at run time (variant_workload)"
+                        + ("; each call alone, the L2 cleared before it" if flush_l2 else ""),
                "date": datetime.date.today().isoformat(), "device": _device_name(key.target),
                "versions": {"tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__}}
     (directory / SUMMARY).write_text(json.dumps(summary, indent=1, sort_keys=True))
