@@ -1095,12 +1095,10 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if not 0 <= chosen.exp2_fma <= 8 or chosen.exp2_fma and key.op != "fwd":
         raise ValueError(f"{key.name}: tile {chosen}: exp2_fma is the forward's, 0 to 8 of "
                          "every 8 scores")
-    if chosen.overlap and (key.op != "dkv" or chosen.split or chosen.dq):
-        raise ValueError(f"{key.name}: tile {chosen}: overlap is the dK/dV's, neither split "
-                         "nor with the fused dQ")
-    if chosen.stats_early and (key.op != "dkv" or chosen.split or chosen.dq):
-        raise ValueError(f"{key.name}: tile {chosen}: stats_early is the dK/dV's, neither "
-                         "split nor with the fused dQ")
+    for field in ("overlap", "stats_early"):  # written into the plain dK/dV step only
+        if getattr(chosen, field) and (key.op != "dkv" or chosen.split or chosen.dq):
+            raise ValueError(f"{key.name}: tile {chosen}: {field} is the dK/dV's, neither "
+                             "split nor with the fused dQ")
     if chosen.p_once and key.op != "dkv":
         raise ValueError(f"{key.name}: tile {chosen}: p_once is the dK/dV's")
     if chosen.l2_bytes < 0 or chosen.l2_bytes and key.varlen:

@@ -101,16 +101,15 @@ def main(argv=None) -> int:
         p.error(str(err))
     if args.jobs < 1:
         p.error("--jobs must be at least 1")
-    if args.jobs > 1 and not args.dry_run:
-        factory = [k.name for k in keys if not schedules.lowers(target_kind(k.target), k)]
-        if factory:  # MetaSchedule's own search times inside tune(), outside our lock
-            p.error(f"--jobs tunes variant kernels only; {factory[0]} is searched by "
-                    "MetaSchedule's tuner, run it with --jobs 1")
-    if args.flush_l2 and not args.dry_run:
-        factory = [k.name for k in keys if not schedules.lowers(target_kind(k.target), k)]
-        if factory:  # MetaSchedule's own search times with its own evaluator
-            p.error(f"--flush-l2 times variant kernels only; {factory[0]} is searched by "
-                    "MetaSchedule's tuner")
+    # keys MetaSchedule's own search tunes: it times inside tune(), outside --jobs' lock and
+    # with its own evaluator
+    factory = [k.name for k in keys if not schedules.lowers(target_kind(k.target), k)]
+    if args.jobs > 1 and not args.dry_run and factory:
+        p.error(f"--jobs tunes variant kernels only; {factory[0]} is searched by "
+                "MetaSchedule's tuner, run it with --jobs 1")
+    if args.flush_l2 and not args.dry_run and factory:
+        p.error(f"--flush-l2 times variant kernels only; {factory[0]} is searched by "
+                "MetaSchedule's tuner")
     if args.jobs > 1 and args.worker is None:
         return _spawn(argv if argv is not None else sys.argv[1:], args.jobs)
     lock, prefix = None, ""
