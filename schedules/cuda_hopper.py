@@ -330,7 +330,7 @@ def _tile(key: KernelKey) -> HopperTile:
     # a soft cap or ALiBi rewrites every score in registers (dK/dV under a cap also keeps
     # 1 - tanh^2 beside S^T): shorter steps keep them in registers (ptxas, bf16 unmasked:
     # dQ D 64 104 -> 0 bytes spilled, dK/dV D 128 192-196 -> 0, packed dK/dV D 128 causal
-    # 196 -> 0; not run on a GPU yet)
+    # 196 -> 0); dK/dV with P^T converted once has room for longer ones (_rescored_dkv_step)
     rescored = key.softcap or key.alibi
     if key.op == "dq":  # packed sequences: never persistent
         chosen = _dq_tile(d, key.causal != "none" and not key.varlen)
@@ -339,7 +339,7 @@ def _tile(key: KernelKey) -> HopperTile:
     if key.op == "dkv":  # also packed sequences: the sequence's rows and lengths take registers
         chosen = _dkv_tile(d)
         if (rescored or key.varlen) and not chosen.split:
-            return dataclasses.replace(chosen, step=64 if d <= 64 else 32)
+            return dataclasses.replace(chosen, step=_rescored_dkv_step(key))
         if d == 64 and key.causal != "none" and plain:
             # 192 keys a block, 32-query steps (64 spill); H200, bf16, the kernel alone,
             # causal N 1024 / 4096 / 16384: 187 / 276 / 345 -> 225 / 324 / 366 TFLOP/s;
@@ -415,6 +415,27 @@ def _dq_tile(d: int, causal: bool) -> HopperTile:
     526 (docs/journal/2026-12-01-hopper.md, eleventh session)."""
     return HopperTile(step=128 if d <= 64 else 64 if d <= 160 else 32, stages=3,
                       persistent=causal and d in (64, 128, 192), clamp=False)
+
+
+def _rescored_dkv_step(key: KernelKey) -> int:
+    """The query step of a dK/dV under a soft cap or ALiBi, or for packed sequences (below D
+    192): 64 at D 64, 32 above; 96 at D 64 unmasked and 48 at D 128 under a soft cap where one
+    of the two modifiers alone, without a window, runs every length (ptxas, P^T converted once:
+    0 bytes spilled, but 40 under the soft cap unmasked, which measured faster anyway). H200,
+    bf16, the kernel alone, TFLOP/s on the whole N^2, N 1024 / 4096 / 16384 (fourteenth session,
+    docs/results/hopper-sweeps-v10.json): D 64 unmasked ALiBi 275 / 365 / 474 -> 282 / 378 /
+    501, soft cap 277 / 334 / 350 -> 265 / 350 / 385 (causal ALiBi 241 / 350 / 412 -> 229 / 355
+    / 422, soft cap -3 to -11%; with a window and both -10 to -12%: not there); D 128 soft cap
+    359 / 412 / 416 -> 340 / 446 / 467, causal 280 / 389 / 411 -> 266 / 404 / 446 (ALiBi with
+    48: 506 / 534 -> 481 / 558 at 4096 / 16384, not there). Calls up to 1024 long
+    (``KernelKey.lengths``), where the soft cap's longer steps lose 4-5%, keep the short step."""
+    d = key.head_dim
+    longer = key.mods in (("softcap",), ("alibi",)) and not key.varlen and not key.lengths
+    if longer and d == 64 and key.causal == "none":
+        return 96
+    if longer and d == 128 and key.softcap:
+        return 48
+    return 64 if d <= 64 else 32
 
 
 def _dkv_tile(d: int) -> HopperTile:

@@ -44,6 +44,8 @@ MOD_KEYS = [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a", **mods)
             for op, d, mods in itertools.product(
                 ("fwd", "dq", "dkv"), (64, 128),
                 ({"window": True}, {"window": True, "softcap": True, "alibi": True}))]
+# the soft cap alone on dK/dV: its own, longer steps (cuda_hopper._rescored_dkv_step)
+MOD_KEYS += [KernelKey("dkv", 128, "bfloat16", "top-left", 1, "cuda-sm_90a", softcap=True)]
 # packed sequences: forward, dQ, dK/dV
 MOD_KEYS += [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)
              for op in ("fwd", "dq", "dkv") for d in (64, 128)]
@@ -390,6 +392,22 @@ def test_score_modifiers_served_where_checked():
                 KernelKey("dq", 32, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)):
         assert not hopper.supports(key) and mma.supports(key), key.name
         assert schedules.lowers("cuda", key), key.name
+
+
+def test_rescored_dkv_steps():
+    """Under one score modifier without a window, dK/dV takes the longer steps measured faster
+    at every length (96 at D 64 unmasked, 48 at D 128 under a soft cap); causal at D 64, the
+    1024 bucket, combinations, packed sequences and ALiBi at D 128 keep the short ones, which
+    measured faster or were not measured."""
+    def step(d, causal="none", lengths=0, **mods):
+        key = KernelKey("dkv", d, "bfloat16", causal, 1, "cuda-sm_90a", lengths=lengths, **mods)
+        return hopper.tile(key).step
+    assert step(64, alibi=True) == step(64, softcap=True) == 96
+    assert step(128, softcap=True) == step(128, "top-left", softcap=True) == 48
+    assert step(64, "top-left", alibi=True) == step(64, "top-left", softcap=True) == 64
+    assert step(64, lengths=1024, softcap=True) == step(64, softcap=True, alibi=True) == 64
+    assert step(64, window=True, softcap=True) == step(64, varlen=True) == 64
+    assert step(128, alibi=True) == step(128, lengths=1024, softcap=True) == 32
 
 
 @pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
