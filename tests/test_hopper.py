@@ -432,11 +432,15 @@ def test_forward_exponentials_on_the_fma_pipe():
     """``HopperTile(exp2_fma=k)`` (a forward variant): k of every 8 scores a thread holds take
     the softmax's exponential by ``kernels.common.exp2_fma`` (FMA and integer instructions)
     instead of ``exp2f`` (the special-function unit); the soft cap's ``tanh="fma"`` form moves
-    its exponential there too. dQ and dK/dV refuse the field."""
+    its exponential there too. dQ and dK/dV refuse the field. Each such exponential computes
+    its argument once (bound by a ``Let``; nested text repeated it in every use, which nvcc
+    did not share back: twice the PTX)."""
     key = KernelKey("fwd", 128, "bfloat16", "top-left", 1, "cuda-sm_90a")
     assert hopper.tile(key).exp2_fma == 0
     base = _source(key).count("exp2f(")
-    assert _variant_source(key, exp2_fma=2).count("exp2f(") == base - 32  # 2 of 8 of 128
+    src = _variant_source(key, exp2_fma=2)
+    assert src.count("exp2f(") == base - 32  # 2 of 8 of 128
+    assert src.count("float e2_x") == 32 and src.count("0x1.fcp+6f") == 32 * 4  # one clamp each
     capped = KernelKey("fwd", 128, "bfloat16", "top-left", 1, "cuda-sm_90a", softcap=True)
     assert (_variant_source(capped, tanh="fma").count("exp2f(")
             == _source(capped).count("exp2f(") - 128)

@@ -121,23 +121,28 @@ def exp2_fma(x):
     the softmax's exponentials (and a soft cap's tanh) keep the busiest pipe of an attention
     kernel (FlashAttention-4 emulates part of them so on Blackwell).
 
-    ``x`` is clamped to [-127, 127] by selects (a NaN stays NaN), split as ``n + f`` by the
-    1.5 * 2^23 rounding trick (``n`` the nearest integer, read from the sum's low mantissa
-    bits; ``|f| <= 1/2``), ``2^f`` by :data:`EXP2_POLY` and ``2^n`` built from its exponent
-    bits: ``2^-127`` comes out as +0.0, so ``-inf`` (a masked score) gives exactly 0 and
-    ``+inf`` gives 2^127 (finite). Pure expressions only (selects, not branches), so nvcc
-    shares the repeated subexpressions of the text TVM prints."""
-    z = tirx.Select(x < T.float32(-127), T.float32(-127),
-                    tirx.Select(x > T.float32(127), T.float32(127), x))
-    j = z + T.float32(_ROUND)
+    ``x`` is clamped to [-127, 127] by selects (a NaN stays NaN), split as ``n + f`` by the 1.5
+    * 2^23 rounding trick (``n`` the nearest integer, read from the sum's low mantissa bits;
+    ``|f| <= 1/2``), ``2^f`` by :data:`EXP2_POLY` and ``2^n`` built from its exponent bits:
+    ``2^-127`` comes out as +0.0, so ``-inf`` (a masked score) gives exactly 0 and ``+inf``
+    gives 2^127 (finite). Pure expressions only (selects, not branches); the argument, its
+    clamp, the rounded sum and the fraction are each bound once (``Let``): printed as nested
+    text, CUDA's source repeated the argument's whole expression in every use (three times in
+    the clamp alone), which nvcc did not share back (PTX 5.3k -> 9.7k lines for 32 of them, the
+    forward 2.5-6x slower: docs/journal/2026-12-01-hopper.md, twelfth session)."""
+    xv, zv, jv, fv = (tirx.Var(name, "float32") for name in ("e2_x", "e2_z", "e2_j", "e2_f"))
+    z = tirx.Select(xv < T.float32(-127), T.float32(-127),
+                    tirx.Select(xv > T.float32(127), T.float32(127), xv))
     # j's bits read back as a float: an opaque step for TVM's simplifier, which would
     # otherwise fold (z + c) - c to z (and f to 0); nvcc and LLVM keep float sums in order
-    f = z - (T.reinterpret("float32", T.reinterpret("int32", j)) - T.float32(_ROUND))
+    f = zv - (T.reinterpret("float32", T.reinterpret("int32", jv)) - T.float32(_ROUND))
     p = T.float32(EXP2_POLY[-1])
     for c in reversed(EXP2_POLY[:-1]):
-        p = p * f + T.float32(c)
-    bits = T.reinterpret("int32", j) - T.int32(_ROUND_BITS - 127)  # n + 127, in 0..254
-    return p * T.reinterpret("float32", T.shift_left(bits, T.int32(23)))
+        p = p * fv + T.float32(c)
+    bits = T.reinterpret("int32", jv) - T.int32(_ROUND_BITS - 127)  # n + 127, in 0..254
+    y = p * T.reinterpret("float32", T.shift_left(bits, T.int32(23)))
+    return tirx.Let(xv, x, tirx.Let(zv, z, tirx.Let(jv, zv + T.float32(_ROUND),
+                                                    tirx.Let(fv, f, y))))
 
 
 def row_lse(m, lsum):
