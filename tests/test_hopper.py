@@ -415,7 +415,9 @@ def test_tanh_forms_of_the_soft_cap(op):
     """``HopperTile(tanh="approx")`` (a soft cap's variant: faster on the H200, not served for
     its 2^-11 error, docs/journal/2026-12-01-features.md) computes the cap's tanh with
     ``tanhf`` — one ``tanh.approx.f32`` under nvcc's fast math — instead of the default's exp2
-    and division; keys without a soft cap refuse it."""
+    and division; ``fma`` and ``rcp`` move the exponential or the division's reciprocal to the
+    FMA pipe (variants, each value bound once: every op lowers them, dQ and dK/dV also in
+    ``1 - tanh^2``); keys without a soft cap refuse them."""
     key = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a", softcap=True)
     default = hopper.tile(key)
     assert default.tanh == "exp2"
@@ -423,6 +425,11 @@ def test_tanh_forms_of_the_soft_cap(op):
     src = _variant_source(key, tanh="approx")
     assert len(re.findall(r"\btanhf\(", src)) >= 16 and not re.findall(r"\btanhf\(", accurate)
     assert src.count("exp2f(") < accurate.count("exp2f(")
+    division = "/*2.000000e+00*/ / (exp2f("
+    assert accurate.count(division) >= 16
+    fma, rcp = _variant_source(key, tanh="fma"), _variant_source(key, tanh="rcp")
+    assert fma.count("float e2_x") >= 16 and fma.count("exp2f(") < accurate.count("exp2f(")
+    assert rcp.count("float rc_d") >= 16 and rcp.count(division) == 0
     plain = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a")
     with pytest.raises(ValueError, match="a tanh form is for keys with a soft cap"):
         hopper.kernel(plain, dataclasses.replace(hopper.tile(plain), tanh="approx"))

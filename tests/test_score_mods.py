@@ -176,12 +176,15 @@ def test_features_benchmark_runs_on_the_cpu(tmp_path):
     assert all(ms > 0 for r in rows for ms in r["ms"].values())
 
 
-@pytest.mark.parametrize("form", ["exp2", "fma"])
+@pytest.mark.parametrize("form", ["exp2", "fma", "rcp"])
 def test_tanh_is_float32_accurate(form):
     """The soft cap's tanh (``kernels.common.tanh``: the default form, and the one with its
-    exponential on the FMA pipe) compiled for the CPU and run on a dense grid and +-inf, NaN:
-    within 16 float32 ulp of float64's tanh where |tanh| >= 2^-4 and 5e-7 everywhere (below,
-    ``1 - 2 / (e + 1)`` loses digits to cancellation); saturating to +-1 and keeping a NaN."""
+    exponential on the FMA pipe, the one with its reciprocal there) compiled for the CPU and
+    run on a dense grid and +-inf, NaN: within 16 float32 ulp of float64's tanh where |tanh|
+    >= 2^-4 and 5e-7 everywhere (below, ``1 - 2 / (e + 1)`` loses digits to cancellation);
+    saturating to +-1 and keeping a NaN. The reciprocal's Newton steps are fused
+    multiply-adds, which this CPU target splits (``llvm.fmuladd``): 18 ulp for that form here
+    (on CUDA 0.5 ulp of reciprocal, 15.2 of tanh in a float32 model of ``fmaf``)."""
     n = 200_003
 
     @T.prim_func
@@ -197,7 +200,7 @@ def test_tanh_is_float32_accurate(form):
     assert np.isnan(got[-1]) and got[-3] == 1 and got[-2] == -1
     ulp = np.spacing(np.abs(ref[:-3]).astype(np.float32)).astype(np.float64)
     err = np.abs(got[:-3] - ref[:-3])
-    assert (err / ulp)[np.abs(ref[:-3]) >= 2 ** -4].max() <= 16
+    assert (err / ulp)[np.abs(ref[:-3]) >= 2 ** -4].max() <= (18 if form == "rcp" else 16)
     assert err.max() < 5e-7
 
 

@@ -145,6 +145,26 @@ def exp2_fma(x):
                                                     tirx.Let(fv, f, y))))
 
 
+_RCP_MAGIC = 0x7EF311C3  # minus a float's bits: its reciprocal within 12% (for normal floats)
+
+
+def rcp_fma(d):
+    """``1 / d`` for ``d`` in [1, 2^64] on the FMA and integer pipes instead of the
+    special-function unit: the bits of ``d`` subtracted from :data:`_RCP_MAGIC` give the
+    reciprocal within 12%, and three Newton steps ``r + r (1 - d r)`` (two fused
+    multiply-adds each, the error squared each time) bring it to 0.5005 ulp where the adds
+    are fused (CUDA's ``fmaf``; a float32 model of it in numpy); 1.1 ulp on a CPU target that
+    splits them. A NaN stays NaN. Each value bound once (``Let``), as in :func:`exp2_fma`."""
+    dv, r0, r1, r2 = (tirx.Var(f"rc_{name}", "float32") for name in "d012")
+
+    def newton(r):  # nvcc contracts both into FFMA (fmad is on); the CPU target does not
+        return r + r * (T.float32(1) - dv * r)
+
+    first = T.reinterpret("float32", T.int32(_RCP_MAGIC) - T.reinterpret("int32", dv))
+    return tirx.Let(dv, d, tirx.Let(r0, first, tirx.Let(r1, newton(r0), tirx.Let(
+        r2, newton(r1), newton(r2)))))
+
+
 def row_lse(m, lsum):
     """A row's LSE (natural log) from its base-2 max and sum; -inf for a row with no key."""
     return T.if_then_else(lsum == T.float32(0), neg_inf(), (m + T.log2(lsum)) * T.float32(LN2))
@@ -221,19 +241,20 @@ def visible(causal: str, row, col, lq, lk, end=None, mods: Mods = NO_MODS, ma=No
     return conds[0] if len(conds) == 1 else tirx.all(*conds)
 
 
-TANH_FORMS = ("exp2", "approx", "fma")
+TANH_FORMS = ("exp2", "approx", "fma", "rcp")
 """The forms of :func:`tanh`: the exp2 one (two special-function operations: the exponential
 and the division's reciprocal), the hardware's (``tanh.approx.f32``, one; relative error
-about 2^-11, so a soft cap of 30 moves a score by up to 0.015) and the exp2 one with the
-exponential on the FMA pipe (:func:`exp2_fma`; one special-function operation, the
-reciprocal, at the exp2 form's accuracy; as TVM prints it the soft-capped kernels ran 9–24x
-slower on the H200, docs/results/hopper-sweeps-v8.json: not served)."""
+about 2^-11, so a soft cap of 30 moves a score by up to 0.015), and the exp2 one with one
+of its two operations on the FMA pipe at the same accuracy: ``fma`` the exponential
+(:func:`exp2_fma`; as TVM printed it before its values were bound once the soft-capped
+kernels ran 9–24x slower on the H200, docs/results/hopper-sweeps-v8.json), ``rcp`` the
+reciprocal (:func:`rcp_fma`). The last two are variants to measure, not served."""
 
 
 def tanh(x, form: str = "exp2"):
     """``tanh(x)`` as ``1 - 2 / (exp(2 x) + 1)``, float32-accurate on every target (``approx``:
     ``T.tanh``, the ``tanh.approx.f32`` instruction on CUDA; ``fma``: the exponential by
-    :func:`exp2_fma`: :data:`TANH_FORMS`).
+    :func:`exp2_fma`; ``rcp``: the reciprocal by :func:`rcp_fma`: :data:`TANH_FORMS`).
 
     Not ``T.tanh`` by default: TVM compiles CUDA with ``--use_fast_math``, which turns ``tanhf``
     into the ``tanh.approx.f32`` instruction (relative error about 2^-11); on the H200 float32
@@ -242,6 +263,10 @@ def tanh(x, form: str = "exp2"):
     saturates to +-1 (an infinite exponential gives 1, a zero one -1) and keeps a NaN."""
     if form == "approx":
         return T.tanh(x)
+    if form == "rcp":  # the exponent clamped to 64 (tanh is 1 in float32 from 9), NaN kept
+        t = x * T.float32(2 * LOG2E)
+        e = T.exp2(tirx.Select(t > T.float32(64), T.float32(64), t))
+        return T.float32(1) - T.float32(2) * rcp_fma(e + T.float32(1))
     exp2 = exp2_fma if form == "fma" else T.exp2
     return T.float32(1) - T.float32(2) / (exp2(x * T.float32(2 * LOG2E)) + T.float32(1))
 
@@ -278,7 +303,11 @@ def softcap_slope(s, scale, mods: Mods, ma):
     if not mods.softcap:
         return None
     t = tanh(s * (scale / ma.cap), mods.tanh)
-    return T.float32(1) - t * t
+    if mods.tanh in ("exp2", "approx"):
+        return T.float32(1) - t * t
+    # the FMA-pipe forms bind their values (Let), which a tree may hold only once
+    tv = tirx.Var("sc_t", "float32")
+    return tirx.Let(tv, t, T.float32(1) - tv * tv)
 
 
 def first_key(causal: str, q_first, lq, lk, block_k: int, begin, mods: Mods = NO_MODS,
