@@ -263,10 +263,12 @@ def tanh(x, form: str = "exp2"):
     saturates to +-1 (an infinite exponential gives 1, a zero one -1) and keeps a NaN."""
     if form == "approx":
         return T.tanh(x)
-    if form == "rcp":  # the exponent clamped to 64 (tanh is 1 in float32 from 9), NaN kept
-        t = x * T.float32(2 * LOG2E)
+    if form == "rcp":  # the exponent clamped to 64 (tanh is 1 in float32 from 9), NaN kept;
+        # bound once like rcp_fma's values (the select reads it twice)
+        t = tirx.Var("th_t", "float32")
         e = T.exp2(tirx.Select(t > T.float32(64), T.float32(64), t))
-        return T.float32(1) - T.float32(2) * rcp_fma(e + T.float32(1))
+        return tirx.Let(t, x * T.float32(2 * LOG2E),
+                        T.float32(1) - T.float32(2) * rcp_fma(e + T.float32(1)))
     exp2 = exp2_fma if form == "fma" else T.exp2
     return T.float32(1) - T.float32(2) / (exp2(x * T.float32(2 * LOG2E)) + T.float32(1))
 
