@@ -26,6 +26,7 @@ import argparse
 import concurrent.futures
 import datetime
 import hashlib
+import importlib
 import json
 import math
 import multiprocessing
@@ -77,10 +78,11 @@ def tile_name(t) -> str:
 def build(job: dict) -> dict:
     """Worker: lower one (key, tile), compile it with ptxas -v; paths and figures or an error."""
     import tvm
-    from tvm_flash.schedules import cuda_mma
 
-    from tvm_flash.build import compile_module, device_source
+    from tvm_flash.build import compile_module, device_source  # registers tvm_flash.schedules
     from tvm_flash.key import KernelKey
+
+    cuda_mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
 
     key, t = KernelKey(**job["key"]), parse_tile(job["tile"])
     out = {**job, "error": None}
@@ -277,9 +279,11 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import torch
-    from tvm_flash.schedules import cuda_mma
 
+    import tvm_flash.build  # noqa: F401 - registers tvm_flash.schedules (also from a checkout)
     from tvm_flash.key import KernelKey
+
+    cuda_mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
 
     if args.arch is None:
         if not torch.cuda.is_available():
