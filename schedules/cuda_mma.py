@@ -28,9 +28,9 @@ Per kernel (``W`` warps of 32 lanes and ``mt`` m-tiles, ``16 mt W`` rows per blo
 * the forward's row max and sum are balanced trees over a lane's elements, its exponent one
   FMA (scale and log2(e) folded), and the -inf guards are per row, not per element;
 * head dims 160-256 (:data:`LARGE_D_TILES`): one m-tile per warp, Q read from shared memory,
-  and dK/dV with the head dim split over two warps that share one step's P^T and dS^T through
-  shared memory (``MmaTile.split``); the tiles take up to 217 KiB of shared memory (sm_90),
-  less where the arch allows less.
+  and dK/dV with the head dim split over two or four warps that share one step's P^T and dS^T
+  through shared memory (``MmaTile.split``; four-way with two m-tiles a warp at D 192/256);
+  the tiles take up to 217 KiB of shared memory (sm_90), less where the arch allows less.
 
 Registers (ptxas, sm_90; docs/journal/perf-history.md v6, v7): at most 255, a few spilled bytes
 where measured faster (see :func:`tile`).
@@ -181,6 +181,12 @@ def tile(key: KernelKey) -> MmaTile:
     d, op = key.head_dim, key.op
     if d > 128:
         for candidate in LARGE_D_TILES[op]:
+            try:
+                candidate.check(d)
+            except ValueError:  # e.g. a four-way split of D = 160 or 224
+                continue
+            if candidate.split > 2 and (key.mods or key.varlen):
+                continue  # the four-way split ran against float64 on plain keys only
             if candidate.smem_bytes(op, d) <= _smem_limit(key):
                 return candidate
         raise ValueError(f"{key.name}: no mma tile of D={d} fits the {_smem_limit(key)} bytes "
@@ -226,22 +232,31 @@ def variants(key: KernelKey) -> list[MmaTile]:
 LARGE_D_TILES = {
     "fwd": (MmaTile(warps=8, step=64), MmaTile(warps=8, step=32), MmaTile(warps=4, step=32)),
     "dq": (MmaTile(warps=8, step=32), MmaTile(warps=4, step=32), MmaTile(warps=4, step=16)),
-    "dkv": (MmaTile(warps=8, step=64, split=2), MmaTile(warps=8, step=32, split=2),
-            MmaTile(warps=4, step=32, stages=1, split=2)),
+    "dkv": (MmaTile(warps=8, step=64, mtiles=2, split=4), MmaTile(warps=8, step=64, split=2),
+            MmaTile(warps=8, step=32, split=2), MmaTile(warps=4, step=32, stages=1, split=2)),
 }
-"""Tiles for D = 160-256, in order of preference; :func:`tile` takes the first that fits the
-arch's shared memory (at D = 256 the first fits sm_90's 227 KiB, the second sm_80's 163 KiB,
-the third 99 KiB). One m-tile per warp: the O or dQ sums alone take ``D / 2`` registers per
-lane and m-tile (128 at D = 256). dK/dV splits the head dim over two warps
-(``MmaTile.split``): unsplit, its dK and dV sums would take ``D`` registers per lane. Q stays
-in shared memory (the forward's Q-in-registers path would add ``D / 4`` per m-tile).
-FlashAttention-2 runs D = 256 on the same instruction with a 128 x 64 forward tile of 8 warps
-and 64 x 64 backward tiles of 8 warps. Not yet measured: ``scripts/sweep_mma.py`` times these
-against other candidates.
+"""Tiles for D = 160-256, in order of preference; :func:`tile` takes the first whose shape
+:meth:`MmaTile.check` accepts for the head dim and that fits the arch's shared memory (at D = 256
+the first two fit sm_90's 227 KiB, the third sm_80's 163 KiB, the last 99 KiB). One m-tile per
+warp but in dK/dV's first: the O or dQ sums alone take ``D / 2`` registers per lane and m-tile
+(128 at D = 256). dK/dV splits the head dim over the warps that share a step's P^T and dS^T
+(``MmaTile.split``): unsplit, its dK and dV sums would take ``D`` registers per lane; split four
+ways (D = 192 and 256, where a quarter is whole 16-column tiles) a warp holds two m-tiles of a
+quarter, so each B fragment it loads feeds two MMAs. Q stays in shared memory (the forward's
+Q-in-registers path would add ``D / 4`` per m-tile). FlashAttention-2 runs D = 256 on the same
+instruction with a 128 x 64 forward tile of 8 warps and 64 x 64 backward tiles of 8 warps.
 
-ptxas (nvcc 13.0, the chosen tile of every D 160-256 x fp16/bf16 key, top-left, sm_80 and
-sm_90): no spills; registers fwd 209-245, dQ 166-249, dK/dV 170-244 (D 160: 209-217 / 166-172
-/ 176-177; D 256: 234-241 / 245-249 / 232-243)."""
+Measured (``scripts/sweep_mma.py`` on the H200, cuda-sm_90 keys, bf16, N 1024 and 4096,
+unmasked and causal; ``docs/results/hopper-sweeps-v11.json``): the forward's and dQ's first
+tiles were the fastest of four at D 256 and within 1% at D 192 but for dQ, where 4 warps x 32
+(two blocks an SM in sm_90's shared memory, one on sm_80) measured 4-9% faster — not taken, for
+want of a rule that holds on the smaller archs; dK/dV's four-way split 5-6% faster than the
+two-way one at every point (D 160 and 224 keep the two-way split, not measured against it).
+
+ptxas (nvcc 13.0, sm_90, fp16/bf16, every causal mode): the four-way dK/dV of D 192/256 224-242
+registers, no spill; the other chosen tiles (also sm_80) no spills, registers fwd 209-245, dQ
+166-249, dK/dV 170-244 (D 160: 209-217 / 166-172 / 176-177; D 256: 234-241 / 245-249 /
+232-243)."""
 
 
 class _Fragments:

@@ -170,6 +170,24 @@ def test_mma_tile_refusals():
                       mma.MmaTile(warps=8, step=64, split=2))
 
 
+def test_mma_large_d_dkv_tile_choice():
+    """dK/dV at D 192/256 on sm_90 splits the head dim four ways (two m-tiles a warp; measured
+    5-6% faster than two ways), plain keys only; D 160/224 (a quarter is not whole 16-column
+    tiles), score modifiers, packed sequences and smaller shared memories keep the two-way
+    split."""
+    mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
+    for d in (192, 256):
+        four = mma.tile(_key("dkv", d, "bfloat16", "cuda-sm_90"))
+        assert (four.split, four.mtiles, four.warps, four.step) == (4, 2, 8, 64)
+        four.check(d)
+        for extra in ({"softcap": True}, {"varlen": True}):
+            key = KernelKey("dkv", d, "bfloat16", "top-left", 1, "cuda-sm_90", **extra)
+            assert mma.tile(key).split == 2, key.name
+        assert mma.tile(_key("dkv", d, "bfloat16", "cuda-sm_80")).split == 2
+    for d in (160, 224):
+        assert mma.tile(_key("dkv", d, "float16", "cuda-sm_90")).split == 2
+
+
 @pytest.mark.parametrize("causal", ["none", "top-left"])
 def test_mma_block_order_visits_every_tile_once(causal):
     """Causal blocks are numbered longest tile first across all heads, unmasked ones head by
