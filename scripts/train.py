@@ -148,7 +148,7 @@ def train(impl: str, train_tokens, val_tokens, args, device):
     model = GPT(args.layers, args.width, args.heads, args.kv_heads, args.seq, impl).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
                             betas=(0.9, 0.95))
-    step_fn = torch.compile(model) if args.compile else model
+    step_fn = torch.compile(model, mode=args.compile) if args.compile else model
     use_bf16 = device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
     gen = torch.Generator().manual_seed(args.seed)
@@ -234,7 +234,8 @@ def main(argv=None):
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=10)
     p.add_argument("--log-every", type=int, default=50)
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
+                   help="torch.compile the model (MODE: default; reduce-overhead: CUDA graphs)")
     p.add_argument("--data-bytes", type=int, default=None, help="use only this many bytes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="train-results")
