@@ -203,8 +203,9 @@ _chosen_tile = tile  # for kernel(), whose override argument is named tile
 def variants(key: KernelKey) -> list[MmaTile]:
     """The tiles a tuner may measure for ``key`` (``tvm_flash.tuning.tune_variants``), its
     default (:func:`tile`) first: 4 or 8 warps, one or two m-tiles (one above D = 128, where
-    the sums alone take ``D / 2`` registers a lane), 16- to 64-row steps, two or three stages,
-    and for dK/dV above D = 128 the head dim split over two warps — each one whose shape
+    the sums alone take ``D / 2`` registers a lane, but two with a four-way split), 16- to
+    64-row steps, two or three stages, and for dK/dV above D = 128 the head dim split over two
+    or four warps — each one whose shape
     :meth:`MmaTile.check` accepts, that fits the arch's shared memory and, for dK/dV, has a
     thread per LSE and Delta row. Registers are not checked: a variant that spills measures
     slow. Keys with score modifiers or packed sequences have none (their extra arguments are
@@ -214,11 +215,13 @@ def variants(key: KernelKey) -> list[MmaTile]:
     default = _chosen_tile(key)
     d = key.head_dim
     found = [default]
-    splits = (2,) if key.op == "dkv" and d > 128 else (1,)
+    splits = (2, 4) if key.op == "dkv" and d > 128 else (1,)
     for warps, mtiles, step, stages, split in itertools.product(
-            (4, 8), (1,) if d > 128 else (1, 2), (16, 32, 64), (2, 3), splits):
+            (4, 8), (1, 2), (16, 32, 64), (2, 3), splits):
         candidate = MmaTile(warps=warps, step=step, stages=stages, mtiles=mtiles, split=split)
         if candidate in found or (key.op == "dkv" and 2 * step > warps * WARP):
+            continue
+        if d > 128 and mtiles != (2 if split == 4 else 1):  # one m-tile a warp, two split 4
             continue
         try:
             candidate.check(d)
