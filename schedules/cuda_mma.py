@@ -181,14 +181,14 @@ def tile(key: KernelKey) -> MmaTile:
     d, op = key.head_dim, key.op
     if d > 128:
         for candidate in LARGE_D_TILES[op]:
-            try:
-                candidate.check(d)
-            except ValueError:  # e.g. a four-way split of D = 160 or 224
-                continue
             if candidate.split > 2 and (key.mods or key.varlen):
                 continue  # the four-way split ran against float64 on plain keys only
-            if candidate.smem_bytes(op, d) <= _smem_limit(key):
-                return candidate
+            try:  # e.g. a four-way split of D = 160 or 224, or over the arch's shared memory
+                candidate.check(d)
+                _check_fits(key, candidate)
+            except ValueError:
+                continue
+            return candidate
         raise ValueError(f"{key.name}: no mma tile of D={d} fits the {_smem_limit(key)} bytes "
                          f"of shared memory of {key.target}")
     if op == "dkv":
