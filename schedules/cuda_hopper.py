@@ -334,8 +334,19 @@ def _tile(key: KernelKey) -> HopperTile:
     rescored = key.softcap or key.alibi
     if key.op == "dq":  # packed sequences: never persistent
         chosen = _dq_tile(d, key.causal != "none" and not key.varlen)
-        return dataclasses.replace(chosen, step=min(chosen.step, 64)) if rescored else chosen
-    plain = not (key.mods or key.varlen)  # three consumers measured only without them
+        return (dataclasses.replace(chosen, step=_rescored_dq_step(key, chosen.step)) if rescored
+                else chosen)
+    plain = not (key.mods or key.varlen)
+    # a soft cap or ALiBi alone (no window, not packed): the forward takes the plain one's
+    # tile, three consumers at D 64 (with its 1024 bucket) and bulk stores at every length at
+    # D 128 unmasked. H200, bf16, the kernel alone, TFLOP/s, N 1024 / 4096 / 16384 (sixteenth
+    # session, docs/results/hopper-sweeps-v12.json): D 64 two -> three consumers, ALiBi
+    # unmasked 274 / 301 / 319 -> 295 / 364 / 404, causal 192 / 272 / 318 -> 182 / 294 / 361;
+    # soft cap unmasked 198 / 211 / 220 -> 194 / 228 / 247, causal 153 / 199 / 223 -> 128 /
+    # 199 / 234 (ptxas: 0-40 bytes spilled, 40 for ALiBi causal); D 128 unmasked ALiBi 389 /
+    # 452 / 463 -> 417 / 470 / 470, soft cap 326 / 379 / 383 -> 338 / 388 / 383 (4 bytes, as
+    # the plain one); causal at every length 10-13% slower, so not there (as the plain one)
+    alone = key.mods in (("softcap",), ("alibi",)) and not key.varlen
     if key.op == "dkv":  # also packed sequences: the sequence's rows and lengths take registers
         chosen = _dkv_tile(d)
         if (rescored or key.varlen) and not chosen.split:
@@ -369,8 +380,8 @@ def _tile(key: KernelKey) -> HopperTile:
     # / 606 -> 497 / 596 / 611 (cuDNN in the same rows 569 / 609 / 618 -> 530 / 563 / 598:
     # compare ratios); the store alone 497 / 568 / 598; causal 302 / 459 / 569 -> 310 / 472 /
     # 548, so not there (eleventh session)
-    fast_store = plain and d == 128 and key.causal == "none"
-    return HopperTile(consumers=_fwd_consumers(key) if plain else 2,
+    fast_store = (plain or alone) and d == 128 and key.causal == "none"
+    return HopperTile(consumers=_fwd_consumers(key) if plain or alone else 2,
                       step=128 if d <= 160 else 96 if d == 192 else 64,
                       persistent=not key.varlen and (
                           d in (32, 64, 128) or d == 256 and key.causal != "none"),
@@ -389,6 +400,21 @@ def _fwd_consumers(key: KernelKey) -> int:
     if key.head_dim != 64:
         return 2
     return 2 if key.causal != "none" and key.lengths == 1024 else 3
+
+
+def _rescored_dq_step(key: KernelKey, step: int) -> int:
+    """The key step of a dQ under a soft cap or ALiBi, ``step`` the plain tile's: at most 64 (the
+    rewritten S beside dP), but at D 64 under one of them alone, where ptxas keeps the plain
+    kernel's 128-key steps in registers since the exp2 was unclamped (0 bytes spilled; 104
+    before) — 96 for the soft cap unmasked. H200, bf16, the kernel alone, TFLOP/s on the whole
+    N^2, 64 -> 96 / 128, N 1024 / 4096 / 16384 (sixteenth session,
+    docs/results/hopper-sweeps-v12.json): soft cap unmasked 253 / 280 / 289 -> 264 / 308 / 321
+    (128: 249 / 276 / 285), causal 205 / 257 / 280 -> 200 / 274 / 306 with 128 (96: 199 / 264 /
+    292); ALiBi unmasked 424 / 493 / 495 -> 457 / 539 / 544, causal 293 / 399 / 432 -> 327 / 453
+    / 501 with 128."""
+    if key.head_dim == 64 and key.mods in (("softcap",), ("alibi",)) and not key.varlen:
+        return 96 if key.softcap and key.causal == "none" else 128
+    return min(step, 64)
 
 
 def _dq_tile(d: int, causal: bool) -> HopperTile:

@@ -16,7 +16,9 @@ built, inside the sanitizer:
 The shapes reach what small tests miss: ``(1, 1, 1100, 1100)`` is past the 1024-key length
 bucket (the Hopper forward at D 64 takes three consumer warpgroups there), ``(1, 1, 300,
 1100)`` and ``(1, 1, 7, 300)`` make the two causal alignments differ, ``(2, 1, 97, 97)`` ends
-mid-tile. Exits 1 if any case is out of tolerance or not finite.
+mid-tile. ``--softcap`` and ``--alibi`` run every call with that score modifier (build the
+kernels with ``build.py --mods softcap``, ``alibi`` or ``softcap+alibi``). Exits 1 if any case
+is out of tolerance or not finite.
 """
 
 from __future__ import annotations
@@ -37,19 +39,21 @@ CASES = ((False, "top-left"), (True, "top-left"), (True, "bottom-right"))
 
 
 def _case(d: int, dtype: torch.dtype, group: int, causal: bool, align: str, shape,
-          dev: str) -> str:
+          dev: str, softcap: float = 0.0, alibi: bool = False) -> str:
     b, hkv, lq, lk = shape
     q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dtype, requires_grad=True)
                for h, n in ((hkv * group, lq), (hkv, lk), (hkv, lk)))
     do = torch.randn(b, hkv * group, lq, d, device=dev, dtype=dtype)
+    slopes = torch.rand(hkv * group, device=dev) if alibi else None
     out = tvm_flash.attention(q, k, v, is_causal=causal, causal_alignment=align,
-                              enable_gqa=True)
+                              enable_gqa=True, softcap=softcap, alibi_slopes=slopes)
     out.backward(do)
     if dev == "cuda":
         torch.cuda.synchronize()
     ours = (out, q.grad, k.grad, v.grad)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref, _ = attention_reference(q64, k64, v64, causal=align if causal else "none")
+    ref, _ = attention_reference(q64, k64, v64, causal=align if causal else "none",
+                                 softcap=softcap, alibi_slopes=slopes)
     ref.backward(do.double())
     errs = [(a.double() - r).abs().max().item()
             for a, r in zip(ours, (ref, q64.grad, k64.grad, v64.grad), strict=True)]
@@ -66,6 +70,8 @@ def main() -> int:
     p.add_argument("--gqa", default="2", help="GQA group sizes Hq/Hkv")
     p.add_argument("--device", default="cuda", help="cuda, or cpu to try the script")
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
+    p.add_argument("--softcap", type=float, default=0.0, help="a soft cap (> 0) on every call")
+    p.add_argument("--alibi", action="store_true", help="ALiBi with random slopes on every call")
     args = p.parse_args()
     torch.manual_seed(0)
     failed = 0
@@ -74,7 +80,8 @@ def main() -> int:
             for g in (int(x) for x in args.gqa.split(",")):
                 for (causal, align), shape in ((c, s) for c in CASES
                                                for s in SHAPES[:args.shapes]):
-                    res = _case(d, DTYPES[name], g, causal, align, shape, args.device)
+                    res = _case(d, DTYPES[name], g, causal, align, shape, args.device,
+                                args.softcap, args.alibi)
                     failed += res.startswith("FAIL")
                     mode = align if causal else "none"
                     print(f"D {d} {name} GQA {g} {mode:12s} (B, Hkv, Lq, Lk) = {shape}: {res}",

@@ -241,13 +241,17 @@ def test_forward_bulk_store_of_o():
     64-column atom, after a proxy fence and the consumer's named barrier; in a persistent grid
     the tile is rewritten only after the previous store read it, and the block waits for its
     last store's reads before it ends. Not for dQ or dK/dV, packed sequences, or 32-column
-    atoms; causal and D 64 keys store O from registers."""
+    atoms; causal and D 64 keys store O from registers. A soft cap or ALiBi alone takes the
+    plain key's tile; a window or both do not (not measured)."""
     key = KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a")
-    default = hopper.tile(key)
-    assert default.tma_store and default.persistent
-    assert default.persistent_keys == hopper.EVERY_LENGTH
+    for alone in (key, dataclasses.replace(key, softcap=True),
+                  dataclasses.replace(key, alibi=True)):
+        default = hopper.tile(alone)
+        assert default.tma_store and default.persistent
+        assert default.persistent_keys == hopper.EVERY_LENGTH
     for other in (dataclasses.replace(key, causal="top-left"),
-                  dataclasses.replace(key, head_dim=64), dataclasses.replace(key, softcap=True)):
+                  dataclasses.replace(key, head_dim=64), dataclasses.replace(key, window=True),
+                  dataclasses.replace(key, softcap=True, alibi=True)):
         assert not hopper.tile(other).tma_store, other.name
         assert hopper.tile(other).persistent_keys == hopper.PERSISTENT_MAX_KEYS, other.name
     src = _source(key)
@@ -408,6 +412,27 @@ def test_rescored_dkv_steps():
     assert step(64, lengths=1024, softcap=True) == step(64, softcap=True, alibi=True) == 64
     assert step(64, window=True, softcap=True) == step(64, varlen=True) == 64
     assert step(128, alibi=True) == step(128, lengths=1024, softcap=True) == 32
+
+
+def test_rescored_forward_and_dq_tiles():
+    """A soft cap or ALiBi alone (no window, not packed) gives the D 64 forward the plain one's
+    three consumers (two for causal calls up to 1024 long) and dQ at D 64 its longer steps (96
+    for the soft cap unmasked, else 128), measured faster; combinations, a window and packed
+    sequences keep two consumers and 64-key steps, and no dQ step grows past the plain one's."""
+    def tile(op, d, causal="none", lengths=0, **mods):
+        return hopper.tile(KernelKey(op, d, "bfloat16", causal, 1, "cuda-sm_90a",
+                                     lengths=lengths, **mods))
+    for mod in ("softcap", "alibi"):
+        assert tile("fwd", 64, **{mod: True}).consumers == 3
+        assert tile("fwd", 64, "top-left", **{mod: True}).consumers == 3
+        assert tile("fwd", 64, "top-left", lengths=1024, **{mod: True}).consumers == 2
+        assert tile("dq", 64, "top-left", **{mod: True}).step == 128
+    assert tile("dq", 64, softcap=True).step == 96 and tile("dq", 64, alibi=True).step == 128
+    for mods in ({"softcap": True, "alibi": True}, {"window": True, "softcap": True},
+                 {"varlen": True, "alibi": True}):
+        assert tile("fwd", 64, **mods).consumers == 2
+        assert tile("dq", 64, **mods).step == 64
+    assert tile("dq", 128, alibi=True).step == 64 and tile("dq", 256, softcap=True).step == 32
 
 
 @pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
