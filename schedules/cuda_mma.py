@@ -92,13 +92,28 @@ class MmaTile:
     queries over the whole head dim and puts its P^T and dS^T in shared memory; after a barrier
     each takes the whole step's P^T and dS^T for its ``head_dim / split`` columns of dK and dV.
     That divides the dK and dV sums, ``2 * 16 mtiles * head_dim / 32`` registers per lane (256
-    at D = 256), by ``split`` without computing anything twice."""
+    at D = 256), by ``split`` without computing anything twice.
+
+    ``zfill``: the walked tiles' 16-byte ``cp.async`` copies without a branch — a row past the
+    end copies 0 bytes (the instruction's src-size) and the rest is zero-filled, as
+    FlashAttention-2's predicated copies do — instead of a branch around the copy and a zero
+    store. ncu of the D 256 forward (H200, 62932ce): the step's copies, each beside its
+    predicated-off zero store, drew 23% of the stall samples (MIO throttle). A variant to
+    measure; no default takes it yet.
+
+    ``pack`` (forward): P rounded to the input dtype two values a PTX ``cvt.rn.bf16x2.f32`` /
+    ``f16x2.f32`` into the words its MMAs read. In the same profile ptxas had left P's
+    conversions one ``F2F`` a value (the conversion unit, beside MUFU's exponentials) plus a
+    byte permute a pair, where at D 64/128 it had paired them itself (``F2FP ... PACK_AB``).
+    A variant to measure."""
 
     warps: int
     step: int
     stages: int = 2
     mtiles: int = 1
     split: int = 1
+    zfill: bool = False
+    pack: bool = False
 
     @property
     def rows(self) -> int:
@@ -281,19 +296,30 @@ class _Fragments:
             # (asynchronous) the source offset computed outside the branch: nvcc then adds the
             # row stride to the previous copy's instead of multiplying per copy
             at = T.alloc_buffer((1,), "int64", scope="local")
-            if asynchronous:
-                at[0] = src.offset_of([b, h, start + row, col])[0]
-            if start + row < length:
+            if asynchronous and tile.zfill:
+                # no branch: a row past ``length`` copies 0 of its 16 bytes (cp.async's
+                # src-size; the rest is zero-filled) from the first row, which every call has
+                inside = T.meta_var(start + row < length)
+                at[0] = src.offset_of([b, h, T.if_then_else(inside, start + row, T.int64(0)),
+                                       col])[0]
+                T.ptx.cp.async_.cg.shared.global_(
+                    dst.access_ptr("w", offset=(base + row) * stride + col),
+                    src.access_ptr("r", offset=at[0]), 16,
+                    T.if_then_else(inside, T.uint32(16), T.uint32(0)))
+            else:
                 if asynchronous:
-                    T.ptx.cp.async_.cg.shared.global_(
-                        dst.access_ptr("w", offset=(base + row) * stride + col),
-                        src.access_ptr("r", offset=at[0]), 16)
+                    at[0] = src.offset_of([b, h, start + row, col])[0]
+                if start + row < length:
+                    if asynchronous:
+                        T.ptx.cp.async_.cg.shared.global_(
+                            dst.access_ptr("w", offset=(base + row) * stride + col),
+                            src.access_ptr("r", offset=at[0]), 16)
+                    else:
+                        for v in T.vectorized(VEC):
+                            dst[base + row, col + v] = src[b, h, start + row, col + v]
                 else:
                     for v in T.vectorized(VEC):
-                        dst[base + row, col + v] = src[b, h, start + row, col + v]
-            else:
-                for v in T.vectorized(VEC):
-                    dst[base + row, col + v] = T.cast(0, dtype)
+                        dst[base + row, col + v] = T.cast(0, dtype)
 
         @T.macro
         def copy_rows(dst, base, src, b, h, start, length, rows, tx, asynchronous):
@@ -478,6 +504,12 @@ class _Fragments:
         self.gemm_nt_pair, self.gemm_nn_pair = gemm_nt_pair, gemm_nn_pair
         self.zero, self.store_rows = zero, store_rows
         self.ready = _ready(tile.stages)
+
+
+def _cvt_pair(dtype: str):
+    """PTX ``cvt.rn`` of two float32 values into one word of ``dtype`` (bf16x2 or f16x2):
+    called ``(word, high, low)`` — the element with the lower index is the low half."""
+    return T.ptx.cvt.rn.bf16x2.f32 if dtype == "bfloat16" else T.ptx.cvt.rn.f16x2.f32
 
 
 def _vector_rows(buf):
@@ -736,6 +768,7 @@ def flash_forward(key: KernelKey, tile: MmaTile):
         bf = T.alloc_buffer((8 + 8 * MT,), dtype, scope="local")  # B fragments, A ones
         s = T.alloc_buffer((MT * NS * 4,), F32, scope="local")
         p = T.alloc_buffer((MT * NS * 4,), dtype, scope="local")
+        pw = T.decl_buffer((MT * NS * 2,), "uint32", data=p.data, scope="local")  # (pack)
         acc = T.alloc_buffer((MT * NO * 4,), F32, scope="local")
         m = T.alloc_buffer((R,), F32, scope="local")
         mn = T.alloc_buffer((R,), F32, scope="local")
@@ -803,8 +836,14 @@ def flash_forward(key: KernelKey, tile: MmaTile):
                 # subtracted from the row: a row with max -inf holds only -inf scores, and
                 # -inf - 0 gives P = 0 where -inf - -inf would give NaN
                 msub[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(0), mn[r])
-            for i in T.unroll(MT * NS * 4):
-                p[i] = T.cast(exp2_clamped(s[i] * scale2 - msub[_lane_row(i, NS)]), dtype)
+            if tile.pack:  # P in S's registers, then two a conversion into its words
+                for i in T.unroll(MT * NS * 4):
+                    s[i] = exp2_clamped(s[i] * scale2 - msub[_lane_row(i, NS)])
+                for i in T.unroll(MT * NS * 2):
+                    _cvt_pair(dtype)(pw[i], s[2 * i + 1], s[2 * i])
+            else:
+                for i in T.unroll(MT * NS * 4):
+                    p[i] = T.cast(exp2_clamped(s[i] * scale2 - msub[_lane_row(i, NS)]), dtype)
             for r in T.unroll(R):
                 # m[r] holds the rescale factor until the new max replaces it
                 m[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(1),

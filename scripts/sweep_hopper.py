@@ -485,7 +485,8 @@ def main(argv=None) -> int:
     p.add_argument("--varlen", action="store_true",
                    help="also the kernels for packed sequences (checked, not timed)")
     p.add_argument("--jobs", type=int, default=os.cpu_count())
-    p.add_argument("--sass", action="store_true", help="count HGMMA/HMMA in each variant's SASS")
+    p.add_argument("--sass", action="store_true",
+                   help="count HGMMA/HMMA, spills and conversions in each variant's SASS")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -553,7 +554,9 @@ def main(argv=None) -> int:
                 sass = subprocess.run(["cuobjdump", "--dump-sass", files[1]], capture_output=True,
                                       text=True).stdout
                 print(f"SASS {key.name} {t}: HGMMA {sass.count('HGMMA')}, HMMA "
-                      f"{sass.count('HMMA')}, LDL/STL {sass.count('LDL') + sass.count('STL')}")
+                      f"{sass.count('HMMA')}, LDL/STL {sass.count('LDL') + sass.count('STL')}, "
+                      f"F2F {sass.count('F2F.')}, F2FP {sass.count('F2FP')}, "
+                      f"PRMT {sass.count('PRMT')}, MUFU {sass.count('MUFU')}")
     device = torch.device("cuda")
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
     rows = []

@@ -15,9 +15,11 @@ halves), as docs/perf.md's per-kernel sweeps do. The chosen tile of each key is 
     python scripts/sweep_mma.py --head-dims 160 --dtypes fp16 --ops dkv \\
         --tiles dkv=8x64x1/2,8x32x1/2,4x32x1/2:1 --seqlens 4096 --out dkv160.json
 
-A tile is written ``WARPSxSTEPxMTILES[/SPLIT][:STAGES]`` (``MmaTile`` fields; split: dK/dV
-only). A tile that does not fit (shared memory of this arch, split shape) is listed as
-refused with the reason; a variant whose check fails is not timed.
+A tile is written ``WARPSxSTEPxMTILES[/SPLIT][:STAGES][z][p]`` (``MmaTile`` fields; split: dK/dV
+only; ``z``: ``zfill``, the walked tiles' copies without a branch; ``p``: ``pack``, the
+forward's P converted two values an instruction). A tile that does not fit
+(shared memory of this arch, split shape) is listed as refused with the reason; a variant whose
+check fails is not timed.
 """
 
 from __future__ import annotations
@@ -58,18 +60,20 @@ swept those)."""
 def parse_tile(spec: str):
     from tvm_flash.schedules.cuda_mma import MmaTile
 
-    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:/(\d+))?(?::(\d+))?", spec)
+    m = re.fullmatch(r"(\d+)x(\d+)x(\d+)(?:/(\d+))?(?::(\d+))?(z)?(p)?", spec)
     if not m:
         raise argparse.ArgumentTypeError(f"tile {spec!r}: expected WARPSxSTEPxMTILES[/SPLIT]"
-                                         f"[:STAGES], e.g. 8x64x1/2")
-    warps, step, mtiles, split, stages = m.groups()
+                                         f"[:STAGES][z][p], e.g. 8x64x1/2 or 8x64x1zp")
+    warps, step, mtiles, split, stages, zfill, pack = m.groups()
     return MmaTile(warps=int(warps), step=int(step), mtiles=int(mtiles),
-                   split=int(split or 1), stages=int(stages or 2))
+                   split=int(split or 1), stages=int(stages or 2), zfill=bool(zfill),
+                   pack=bool(pack))
 
 
 def tile_name(t) -> str:
     return (f"{t.warps}x{t.step}x{t.mtiles}" + (f"/{t.split}" if t.split > 1 else "")
-            + (f":{t.stages}" if t.stages != 2 else ""))
+            + (f":{t.stages}" if t.stages != 2 else "") + ("z" if t.zfill else "")
+            + ("p" if t.pack else ""))
 
 
 # ------------------------------------------------------------------------------ building

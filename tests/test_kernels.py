@@ -1,5 +1,6 @@
 """Kernel structure, the raw kernel entry points with poisoned outputs, and input errors."""
 
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -186,6 +187,25 @@ def test_mma_large_d_dkv_tile_choice():
         assert mma.tile(_key("dkv", d, "bfloat16", "cuda-sm_80")).split == 2
     for d in (160, 224):
         assert mma.tile(_key("dkv", d, "float16", "cuda-sm_90")).split == 2
+
+
+def test_mma_copy_and_conversion_variants():
+    """``MmaTile(zfill=True)``: the walked K/V tiles' copies take cp.async's src-size operand
+    (a row past the end reads 0 bytes and is zero-filled) instead of a branch around them;
+    ``pack=True``: the forward's P is rounded two values a ``cvt.rn.bf16x2.f32``. Both are
+    variants to measure: no default takes them (the default tiles' source has neither)."""
+    mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
+    key = _key("fwd", 64, "bfloat16", "cuda-sm_90", "top-left", 1)
+    default = device_source(compile_module(key))
+    variant = dataclasses.replace(mma.tile(key), zfill=True, pack=True)
+    src = device_source(compile_module(key, tvm.IRModule({"main": mma.kernel(key, variant)})))
+    zfill, pack = "cp.async.cg.shared.global [%0], [%1], 16, %2;", "cvt.rn.bf16x2.f32"
+    assert zfill in src and pack in src
+    assert zfill not in default and pack not in default
+    for op in ("fwd", "dq", "dkv"):
+        for d in (64, 256):
+            tile = mma.tile(_key(op, d, "bfloat16", "cuda-sm_90"))
+            assert not (tile.zfill or tile.pack), (op, d)
 
 
 @pytest.mark.parametrize("causal", ["none", "top-left"])
