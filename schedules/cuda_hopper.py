@@ -346,7 +346,7 @@ def _tile(key: KernelKey) -> HopperTile:
     # 199 / 234 (ptxas: 0-40 bytes spilled, 40 for ALiBi causal); D 128 unmasked ALiBi 389 /
     # 452 / 463 -> 417 / 470 / 470, soft cap 326 / 379 / 383 -> 338 / 388 / 383 (4 bytes, as
     # the plain one); causal at every length 10-13% slower, so not there (as the plain one)
-    alone = key.mods in (("softcap",), ("alibi",)) and not key.varlen
+    alone = _rescored_alone(key)
     if key.op == "dkv":  # also packed sequences: the sequence's rows and lengths take registers
         chosen = _dkv_tile(d)
         if (rescored or key.varlen) and not chosen.split:
@@ -402,6 +402,12 @@ def _fwd_consumers(key: KernelKey) -> int:
     return 2 if key.causal != "none" and key.lengths == 1024 else 3
 
 
+def _rescored_alone(key: KernelKey) -> bool:
+    """A soft cap or ALiBi and no other modifier, not packed sequences: where the rescored
+    kernels were measured on longer steps or the plain forward's tile."""
+    return key.mods in (("softcap",), ("alibi",)) and not key.varlen
+
+
 def _rescored_dq_step(key: KernelKey, step: int) -> int:
     """The key step of a dQ under a soft cap or ALiBi, ``step`` the plain tile's: at most 64 (the
     rewritten S beside dP), but at D 64 under one of them alone, where ptxas keeps the plain
@@ -412,7 +418,7 @@ def _rescored_dq_step(key: KernelKey, step: int) -> int:
     (128: 249 / 276 / 285), causal 205 / 257 / 280 -> 200 / 274 / 306 with 128 (96: 199 / 264 /
     292); ALiBi unmasked 424 / 493 / 495 -> 457 / 539 / 544, causal 293 / 399 / 432 -> 327 / 453
     / 501 with 128."""
-    if key.head_dim == 64 and key.mods in (("softcap",), ("alibi",)) and not key.varlen:
+    if key.head_dim == 64 and _rescored_alone(key):
         return 96 if key.softcap and key.causal == "none" else 128
     return min(step, 64)
 
@@ -456,7 +462,7 @@ def _rescored_dkv_step(key: KernelKey) -> int:
     48: 506 / 534 -> 481 / 558 at 4096 / 16384, not there). Calls up to 1024 long
     (``KernelKey.lengths``), where the soft cap's longer steps lose 4-5%, keep the short step."""
     d = key.head_dim
-    longer = key.mods in (("softcap",), ("alibi",)) and not key.varlen and not key.lengths
+    longer = _rescored_alone(key) and not key.lengths
     if longer and d == 64 and key.causal == "none":
         return 96
     if longer and d == 128 and key.softcap:
