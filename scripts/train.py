@@ -143,50 +143,88 @@ def evaluate(model, tokens, args, device, autocast):
     return sum(losses) / len(losses)
 
 
-def train(impl: str, train_tokens, val_tokens, args, device):
-    torch.manual_seed(args.seed)
-    model = GPT(args.layers, args.width, args.heads, args.kv_heads, args.seq, impl).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1,
-                            betas=(0.9, 0.95))
-    step_fn = torch.compile(model, mode=args.compile) if args.compile else model
-    use_bf16 = device.type == "cuda"
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    gen = torch.Generator().manual_seed(args.seed)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    rows, tokens_done, timed = [], 0, 0.0
-    for step in range(args.steps):
-        for group in opt.param_groups:
+class Run:
+    """One implementation's training run: its model, optimiser and batch stream, a step at a
+    time (:meth:`step`), so that two runs can take turns in one process (``--interleave``)."""
+
+    def __init__(self, impl: str, train_tokens, val_tokens, args, device):
+        self.impl, self.tokens, self.val_tokens, self.args = impl, train_tokens, val_tokens, args
+        self.device = device
+        torch.manual_seed(args.seed)
+        self.model = GPT(args.layers, args.width, args.heads, args.kv_heads, args.seq,
+                         impl).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.1,
+                                     betas=(0.9, 0.95))
+        self.step_fn = (torch.compile(self.model, mode=args.compile) if args.compile
+                        else self.model)
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                                       enabled=device.type == "cuda")
+        self.gen = torch.Generator().manual_seed(args.seed)
+        self.rows, self.tokens_done, self.timed, self.peak = [], 0, 0.0, 0
+
+    def step(self, step: int) -> None:
+        args, cuda = self.args, self.device.type == "cuda"
+        for group in self.opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        x, y = batch(train_tokens, args.batch, args.seq, gen, device)
+        x, y = batch(self.tokens, args.batch, args.seq, self.gen, self.device)
+        if cuda:
+            torch.cuda.synchronize()  # the batch's copy is not this step's time
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        with autocast:
-            loss = step_fn(x, y)
-        opt.zero_grad(set_to_none=True)
+        with self.autocast:
+            loss = self.step_fn(x, y)
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
         loss_value = loss.item()  # synchronises
         if step >= min(10, args.steps // 2):  # skip compilation and warm-up steps
-            timed += time.perf_counter() - start
-            tokens_done += x.numel()
+            self.timed += time.perf_counter() - start
+            self.tokens_done += x.numel()
+        if cuda:
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated())
         if not math.isfinite(loss_value):
-            raise FloatingPointError(f"{impl}: loss is {loss_value} at step {step}")
+            raise FloatingPointError(f"{self.impl}: loss is {loss_value} at step {step}")
         val = None
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            val = evaluate(model, val_tokens, args, device, autocast)
-        rows.append({"impl": impl, "step": step + 1, "train_loss": loss_value,
-                     "val_loss": val})
+            val = evaluate(self.model, self.val_tokens, args, self.device, self.autocast)
+        self.rows.append({"impl": self.impl, "step": step + 1, "train_loss": loss_value,
+                          "val_loss": val})
         if (step + 1) % args.log_every == 0 or val is not None:
-            tps = tokens_done / timed if timed else float("nan")
-            print(f"[{impl}] step {step + 1:5d}  loss {loss_value:.4f}"
+            print(f"[{self.impl}] step {step + 1:5d}  loss {loss_value:.4f}"
                   + (f"  val {val:.4f}" if val is not None else "")
-                  + f"  {tps:,.0f} tok/s", flush=True)
-    summary = {"impl": impl, "final_val_loss": rows[-1]["val_loss"],
-               "tokens_per_s": tokens_done / timed if timed else None,
-               "peak_memory_mib": (torch.cuda.max_memory_allocated() / 2**20
-                                   if device.type == "cuda" else None)}
-    return rows, summary
+                  + f"  {self.tokens_per_s or float('nan'):,.0f} tok/s", flush=True)
+
+    @property
+    def tokens_per_s(self):
+        return self.tokens_done / self.timed if self.timed else None
+
+    def summary(self) -> dict:
+        return {"impl": self.impl, "final_val_loss": self.rows[-1]["val_loss"],
+                "tokens_per_s": self.tokens_per_s,
+                "peak_memory_mib": self.peak / 2**20 if self.device.type == "cuda" else None}
+
+
+def train_all(impls, train_tokens, val_tokens, args, device) -> list[Run]:
+    """Train each implementation in ``impls``: one after the other, or with ``args.interleave``
+    taking turns step by step in alternating order (ABBA...), so that a drift in the host's
+    speed over the run — which decides a host-bound step's time — weighs on every
+    implementation alike (both models and optimisers are then resident at once, and each
+    run's peak memory counts the other's parameters and optimiser state too)."""
+    if not args.interleave:
+        runs = []
+        for impl in impls:
+            run = Run(impl, train_tokens, val_tokens, args, device)
+            for step in range(args.steps):
+                run.step(step)
+            runs.append(run)
+            del run.model, run.opt, run.step_fn  # free the device memory for the next one
+        return runs
+    runs = [Run(impl, train_tokens, val_tokens, args, device) for impl in impls]
+    for step in range(args.steps):
+        for run in (runs if step % 2 == 0 else runs[::-1]):
+            run.step(step)
+    return runs
 
 
 def plot(rows, path):
@@ -236,6 +274,9 @@ def main(argv=None):
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--compile", nargs="?", const="default", default=None, metavar="MODE",
                    help="torch.compile the model (MODE: default; reduce-overhead: CUDA graphs)")
+    p.add_argument("--interleave", action="store_true",
+                   help="train the implementations in turns, step by step (ABBA), in one process "
+                        "(for tokens/s on a host-bound step; see train_all)")
     p.add_argument("--data-bytes", type=int, default=None, help="use only this many bytes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="train-results")
@@ -251,11 +292,9 @@ def main(argv=None):
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    all_rows, summaries = [], []
-    for impl in args.impls.split(","):
-        rows, summary = train(impl, train_tokens, val_tokens, args, device)
-        all_rows += rows
-        summaries.append(summary)
+    runs = train_all(args.impls.split(","), train_tokens, val_tokens, args, device)
+    all_rows = [row for run in runs for row in run.rows]
+    summaries = [run.summary() for run in runs]
     with open(out / "losses.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["impl", "step", "train_loss", "val_loss"])
         writer.writeheader()
