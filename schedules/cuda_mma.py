@@ -98,14 +98,14 @@ class MmaTile:
     end copies 0 bytes (the instruction's src-size) and the rest is zero-filled, as
     FlashAttention-2's predicated copies do — instead of a branch around the copy and a zero
     store. ncu of the D 256 forward (H200, 62932ce): the step's copies, each beside its
-    predicated-off zero store, drew 23% of the stall samples (MIO throttle). A variant to
-    measure; no default takes it yet.
+    predicated-off zero store, drew 23% of the stall samples (MIO throttle). The default of
+    the D 192/256 forward and the D 256 dK/dV (:func:`_large_d_copies`).
 
     ``pack`` (forward): P rounded to the input dtype two values a PTX ``cvt.rn.bf16x2.f32`` /
     ``f16x2.f32`` into the words its MMAs read. In the same profile ptxas had left P's
     conversions one ``F2F`` a value (the conversion unit, beside MUFU's exponentials) plus a
     byte permute a pair, where at D 64/128 it had paired them itself (``F2FP ... PACK_AB``).
-    A variant to measure."""
+    The default of the D 192/256 forward (:func:`_large_d_copies`)."""
 
     warps: int
     step: int
@@ -189,7 +189,8 @@ def tile(key: KernelKey) -> MmaTile:
       splitting D over two warps with P and dS through shared memory (FlashAttention-2's
       layout) measured +0.5-2% at D = 128 (noise) and -5-35% at D = 64 (v7), so it is not done;
     * two stages (three measured from +1% to -38%, and for dK/dV from +1% to -20%);
-    * D > 128: :data:`LARGE_D_TILES`.
+    * D > 128: :data:`LARGE_D_TILES`, at D 192/256 with the copies and conversions of
+      :func:`_large_d_copies`.
 
     Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 40,
     docs/journal/perf-history.md v6, v7); they measured faster than every spill-free alternative."""
@@ -203,13 +204,35 @@ def tile(key: KernelKey) -> MmaTile:
                 _check_fits(key, candidate)
             except ValueError:
                 continue
-            return candidate
+            return _large_d_copies(key, candidate)
         raise ValueError(f"{key.name}: no mma tile of D={d} fits the {_smem_limit(key)} bytes "
                          f"of shared memory of {key.target}")
     if op == "dkv":
         return MmaTile(warps=8, step=64) if d > 64 else MmaTile(warps=4, step=32, mtiles=2)
     wide = d <= 64 or (op == "fwd" and d == 128 and key.dtype == "bfloat16")
     return MmaTile(warps=4, step=64 if wide else 32, mtiles=2)
+
+
+def _large_d_copies(key: KernelKey, chosen: MmaTile) -> MmaTile:
+    """``chosen`` with the copy and conversion forms measured faster at D 192 and 256 on plain
+    keys: the forward's walked tiles copied without a branch and its P converted two values an
+    instruction (``MmaTile.zfill``, ``pack``), the D 256 dK/dV's copies without a branch. H200,
+    cuda-sm_90 keys, bf16, the kernel alone, TFLOP/s default -> with them, N 1024 / 4096
+    (seventeenth session, docs/results/hopper-sweeps-v13.json): forward D 192 unmasked 182 /
+    213 -> 193 / 226, causal 143 / 198 -> 151 / 215; D 256 unmasked 188 / 219 -> 199 / 235,
+    causal 150 / 204 -> 160 / 222 (``pack`` alone 3-8%, ``zfill`` alone 1-4%); dK/dV D 256
+    unmasked 194 / 221 -> 199 / 227, causal 159 / 200 -> 162 / 205 (D 192: within 0.3%, so
+    not there). The bench grid's fp16 forward gained 0-4% (docs/results/bench-mma-d192-256-v3.json).
+    ptxas: no spill either way. D 160 and 224, score modifiers and packed sequences were not
+    measured and keep the branched copies; sm_80/86/89 take the same tiles, not measured
+    there."""
+    if key.mods or key.varlen or key.head_dim not in (192, 256):
+        return chosen
+    if key.op == "fwd":
+        return dataclasses.replace(chosen, zfill=True, pack=True)
+    if key.op == "dkv" and key.head_dim == 256:
+        return dataclasses.replace(chosen, zfill=True)
+    return chosen
 
 
 _chosen_tile = tile  # for kernel(), whose override argument is named tile

@@ -192,8 +192,9 @@ def test_mma_large_d_dkv_tile_choice():
 def test_mma_copy_and_conversion_variants():
     """``MmaTile(zfill=True)``: the walked K/V tiles' copies take cp.async's src-size operand
     (a row past the end reads 0 bytes and is zero-filled) instead of a branch around them;
-    ``pack=True``: the forward's P is rounded two values a ``cvt.rn.bf16x2.f32``. Both are
-    variants to measure: no default takes them (the default tiles' source has neither)."""
+    ``pack=True``: the forward's P is rounded two values a ``cvt.rn.bf16x2.f32``. Defaults
+    where the H200 measured them faster (``cuda_mma._large_d_copies``): the D 192/256 forward
+    both, the D 256 dK/dV ``zfill``; elsewhere neither (D 64's default source has neither)."""
     mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
     key = _key("fwd", 64, "bfloat16", "cuda-sm_90", "top-left", 1)
     default = device_source(compile_module(key))
@@ -202,10 +203,13 @@ def test_mma_copy_and_conversion_variants():
     zfill, pack = "cp.async.cg.shared.global [%0], [%1], 16, %2;", "cvt.rn.bf16x2.f32"
     assert zfill in src and pack in src
     assert zfill not in default and pack not in default
-    for op in ("fwd", "dq", "dkv"):
-        for d in (64, 256):
-            tile = mma.tile(_key(op, d, "bfloat16", "cuda-sm_90"))
-            assert not (tile.zfill or tile.pack), (op, d)
+    served = {("fwd", 192): (True, True), ("fwd", 256): (True, True), ("dkv", 256): (True, False)}
+    for op, d in itertools.product(("fwd", "dq", "dkv"), (64, 160, 192, 224, 256)):
+        for target in ("cuda-sm_80", "cuda-sm_90"):
+            tile = mma.tile(_key(op, d, "bfloat16", target))
+            assert (tile.zfill, tile.pack) == served.get((op, d), (False, False)), (op, d)
+        modded = KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90", softcap=True)
+        assert not (mma.tile(modded).zfill or mma.tile(modded).pack), modded.name
 
 
 @pytest.mark.parametrize("causal", ["none", "top-left"])
