@@ -224,8 +224,8 @@ def _large_d_copies(key: KernelKey, chosen: MmaTile) -> MmaTile:
     unmasked 194 / 221 -> 199 / 227, causal 159 / 200 -> 162 / 205 (D 192: within 0.3%, so
     not there). The bench grid's fp16 forward gained 0-4% (docs/results/bench-mma-d192-256-v3.json).
     ptxas: no spill either way. D 160 and 224, score modifiers and packed sequences were not
-    measured and keep the branched copies; sm_80/86/89 take the same tiles, not measured
-    there."""
+    measured and keep the branched copies; the smaller archs' D 192/256 tiles (sm_80/86/89,
+    :data:`LARGE_D_TILES`) take the same forms, not measured there."""
     if key.mods or key.varlen or key.head_dim not in (192, 256):
         return chosen
     if key.op == "fwd":
