@@ -199,20 +199,23 @@ def _ptxas(src: str, tmp_path) -> tuple[int, list, str]:
     return max(spilled), re.findall(r"\(C75(1[0-9])\)", res.stderr), res.stderr
 
 
-SPILL_ALLOWANCE = {("fwd", 128, "none"): 4, ("dq", 256, "none"): 24, ("dkv", 160, "none"): 16,
+SPILL_ALLOWANCE = {("fwd", 128, "none"): 4, ("dq", 256, "none"): 24, ("dkv", 160, "none"): 28,
                    ("dq", 256, "bottom-right"): 52}
 """Bytes ptxas (nvcc 13.0) spills in the served plain tiles that spill at all (docs/perf.md,
 "CUDA Hopper kernels"): the D 128 unmasked forward's persistent tile loop, the unmasked dQ at
-D 256 and dK/dV at D 160, each measured faster than its spill-free alternatives; the
+D 256 and dK/dV at D 160 (16 bytes in bf16, 28 in fp16), each measured faster than its
+spill-free alternatives; the
 bottom-right dQ at D 256 (its causal offset beside the top-left tile's registers), found by
 this test and not yet timed against another tile. Every other served key spills nothing."""
 
-SERVED_PLAIN = [k for k in (KernelKey(op, d, "bfloat16", causal, 1, "cuda-sm_90a")
+SERVED_PLAIN = [k for k in (KernelKey(op, d, dtype, causal, 1, "cuda-sm_90a")
                             for op in hopper.OPS for d in hopper.HEAD_DIMS
+                            for dtype in ("bfloat16", "float16")
                             for causal in ("none", "top-left", "bottom-right"))
                 if hopper.supports(k) and k not in KEYS]
-"""Every served key without modifiers, GQA or sinks (one dtype: fp16 and bf16 differ in the
-operands' type names only) that ``KEYS`` leaves out."""
+"""Every served key without modifiers, GQA or sinks that ``KEYS`` leaves out (both dtypes:
+their registers differ, e.g. the unmasked dK/dV at D 160 spills 16 bytes in bf16, 28 in
+fp16)."""
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
