@@ -624,6 +624,18 @@ def _mine(total, grid, bx, persistent: bool):
             if persistent else 1)
 
 
+def _fused_block(order: str, bx, tiles, batch, heads):
+    """The 5-GEMM dK/dV's block ``bx``: (key tile, batch, KV head) among ``tiles`` key tiles
+    of ``batch`` x ``heads`` (``HopperTile.dq_order``): key tile major (``"key"``: every
+    head's first key tile, then every head's second) or a head's key tiles adjacent
+    (``"head"``). Either way the block before it of its head — the one whose dQ additions it
+    waits for — has a smaller ``bx``, so it was launched first. Works on TIR expressions and on
+    Python ints alike."""
+    if order == "head":
+        return bx % tiles, bx // tiles // heads, bx // tiles % heads
+    return bx // (batch * heads), bx % (batch * heads) // heads, bx % heads
+
+
 def _grouped_order(pos, tiles, heads, group_heads):
     """Causal tiles longest first *within* groups of ``group_heads`` (batch x head) pairs,
     group after group: :func:`_block_order` takes them longest first across every head, so
@@ -1973,18 +1985,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             w = T.alloc_buffer((2,), "int64", scope="local")
             seen = T.alloc_buffer((1,), "int32", scope="local")
 
-            # either order has a block wait (on a counter) only for blocks of earlier key tiles
-            # of its head, which come before it in the grid and were launched before it:
-            # key tile major (all heads' first tiles first) or, dq_order "head", a head's key
-            # tiles adjacent (HopperTile.dq_order)
-            if tile.dq_order == "head":
-                c[2] = T.cast(bx, "int64") % nkt * BN
-                c[0] = T.cast(bx, "int64") // nkt // Hkv
-                c[1] = T.cast(bx, "int64") // nkt % Hkv
-            else:
-                c[2] = T.cast(bx, "int64") // (B * Hkv) * BN
-                c[0] = T.cast(bx, "int64") % (B * Hkv) // Hkv
-                c[1] = T.cast(bx, "int64") % Hkv
+            blk = T.meta_var(_fused_block(tile.dq_order, T.cast(bx, "int64"), nkt, B, Hkv))
+            c[2] = blk[0] * BN
+            c[0] = blk[1]
+            c[1] = blk[2]
             c[3] = first_query_tile(causal, c[2], Lq, Lk, BQ)
             c[4] = T.ceildiv(Lq, BQ) - c[3]
             c[5] = c[4] * group

@@ -204,9 +204,9 @@ SPILL_ALLOWANCE = {("fwd", 128, "none"): 4, ("dq", 256, "none"): 24, ("dkv", 160
 """Bytes ptxas (nvcc 13.0) spills in the served plain tiles that spill at all (docs/perf.md,
 "CUDA Hopper kernels"): the D 128 unmasked forward's persistent tile loop, the unmasked dQ at
 D 256 and dK/dV at D 160 (16 bytes in bf16, 28 in fp16), each measured faster than its
-spill-free alternatives; the
-bottom-right dQ at D 256 (its causal offset beside the top-left tile's registers), found by
-this test and not yet timed against another tile. Every other served key spills nothing."""
+spill-free alternatives; the bottom-right dQ at D 256 (its causal offset beside the top-left
+tile's registers), found by this test and not yet timed against another tile. Every other
+served key spills nothing."""
 
 SERVED_PLAIN = [k for k in (KernelKey(op, d, dtype, causal, 1, "cuda-sm_90a")
                             for op in hopper.OPS for d in hopper.HEAD_DIMS
@@ -282,20 +282,12 @@ def test_fused_dq_block_orders():
     (``"head"``). Either way block ``bx`` waits on its counter only for the key tile before it
     of its head, which has a smaller ``bx`` (launched before it), and the grid covers every
     (key tile, batch, KV head) once; the order is only the fused dQ's."""
+    nkt, b, hkv = 5, 2, 3
     for order in ("key", "head"):
-        nkt, b, hkv = 5, 2, 3
-        seen = []
-        for bx in range(nkt * b * hkv):
-            if order == "head":  # the kernel's index arithmetic, as written in flash_dkv
-                t, bb, h = bx % nkt, bx // nkt // hkv, bx // nkt % hkv
-                before = bx - 1 if t else None
-            else:
-                t, bb, h = bx // (b * hkv), bx % (b * hkv) // hkv, bx % hkv
-                before = bx - b * hkv if t else None
-            seen.append((t, bb, h))
-            assert before is None or before < bx
-        assert sorted(seen) == sorted({(t, bb, h) for t in range(nkt) for bb in range(b)
-                                       for h in range(hkv)})
+        where = {hopper._fused_block(order, bx, nkt, b, hkv): bx for bx in range(nkt * b * hkv)}
+        assert sorted(where) == [(t, bb, h) for t in range(nkt) for bb in range(b)
+                                 for h in range(hkv)]
+        assert all(where[(t - 1, bb, h)] < bx for (t, bb, h), bx in where.items() if t)
     key = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")
     head = _source(key, dataclasses.replace(FUSED, dq_order="head"))
     assert head != _fused_source("none")
