@@ -67,6 +67,28 @@ def test_flash_attn_func_matches_reference(lq, lk, hq, hkv, causal, dtype, devic
     assert torch.equal(torch.isinf(lse), torch.isinf(exact[1]))
 
 
+def test_one_autograd_node_and_gradients_in_the_inputs_layout():
+    """The (B, L, H, D) <-> (B, H, L, D) views are made inside tvm-flash's autograd node, so a
+    backward runs that one node and no transposes of its own (each was a node of the graph,
+    a host cost per call); out and the gradients come back in the inputs' layout, as views
+    of (B, L, H, D) storage; a head dim without kernels (padded) too."""
+    for d in (64, 40):
+        q, k, v, do = blhd(2, 33, 33, 4, 2, d, torch.float32, "cpu")
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, causal=True)
+        if d == 64:
+            assert type(out.grad_fn).__name__ == "_AttentionBackward"
+            assert not any(fn is not None and "Transpose" in type(fn).__name__
+                           for fn, _ in out.grad_fn.next_functions)
+        assert out.shape == q.shape and out.stride() == q.stride()
+        out.backward(do)
+        for leaf in leaves:
+            assert leaf.grad.shape == leaf.shape and leaf.grad.stride() == leaf.stride()
+        exact, lowp = references(q, k, v, do, True)
+        check([out.detach(), *(t.grad for t in leaves)], [exact[0], *exact[2:]],
+              [lowp[0], *lowp[2:]], ["out", "dq", "dk", "dv"], [2, 3, 3, 3], torch.float32)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_softmax_scale_and_plain_return(device):
     q, k, v, do = blhd(1, 19, 23, 4, 2, 128, torch.float32, device)

@@ -125,6 +125,32 @@ def test_dispatch_modes_see_the_custom_op():
     assert torch.equal(eager, traced)
 
 
+def test_backward_fills_nothing_for_the_lse():
+    """lse has no gradient, so autograd materialises none: no zero fill a call on either door
+    (the eager ``_Attention`` and the ops' formula, which a dispatch mode active during the
+    forward takes), and the
+    backward op returns an empty ``dsinks`` without sinks (an op returns tensors)."""
+    q, k, v, do = make_inputs(1, 2, 2, 20, 20, 64, torch.float32, "cpu")
+    grads = []
+    for traced in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = tvm_flash.attention(*leaves, is_causal=True)
+        with _SeenOps() as mode:
+            if traced:  # the mode is active for the forward too: the op's formula
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = tvm_flash.attention(*leaves, is_causal=True)
+            out.backward(do)
+        filled = [f for f in mode.ops if f.overloadpacket in (
+            torch.ops.aten.fill_, torch.ops.aten.zero_, torch.ops.aten.zeros_like,
+            torch.ops.aten.zeros, torch.ops.aten.new_zeros)]
+        assert filled == []
+        grads.append([t.grad for t in leaves])
+    for eager_grad, traced_grad in zip(*grads, strict=True):
+        assert torch.equal(eager_grad, traced_grad)
+    out, lse = torch.ops.tvm_flash.fwd(q, k, v, None, "top-left", 0.125)
+    assert torch.ops.tvm_flash.bwd(do, q, k, v, out, lse, None, "top-left", 0.125)[3].shape == (0,)
+
+
 def test_build_plan_covers_every_call_plan():
     spec = importlib.util.spec_from_file_location("build_script", ROOT / "scripts" / "build.py")
     build_script = importlib.util.module_from_spec(spec)

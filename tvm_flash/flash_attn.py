@@ -7,7 +7,8 @@ conventions hold: ``causal`` is bottom-right aligned (query i sees key j iff
 ``j <= i + Lk - Lq``), GQA/MQA follow from the head counts, ``softmax_scale`` defaults to
 ``1 / sqrt(D)``. The kernels get ``.transpose(1, 2)`` views, as ``tvm_flash.attention`` takes
 them (``(B, H, L, D)``; :func:`tvm_flash.layout.kernel_view` decides whether such a view is
-read in place or copied), and the results come back as views in ``(B, L, H, D)``.
+read in place or copied), and the results come back as views in ``(B, L, H, D)`` — the views
+made inside the autograd node (``tvm_flash.ops.forward(..., transposed=True)``).
 
 ``window_size``, ``softcap`` and ``alibi_slopes`` mean what they mean there (bottom-right
 aligned; see ``tvm_flash.attention``), on every device and dtype. What flash-attn offers and
@@ -38,9 +39,7 @@ def _attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
                          layout=BLHD, names={"scale": "softmax_scale", **(names or {})})
     mods = check_mods(q, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                       layout=BLHD)
-    out, lse = forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, mode,
-                       scale, mods)
-    out = out.transpose(1, 2)
+    out, lse = forward(q, k, v, None, mode, scale, mods, transposed=True)
     return (out, lse, None) if return_attn_probs else out
 
 

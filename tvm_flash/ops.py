@@ -182,12 +182,21 @@ def _eager(q, k, v) -> bool:
 
 # ----------------------------------------------------------------------- torch custom ops
 # Opaque to torch.compile (no graph break), with fake impls for tracing and an autograd
-# formula that calls the backward op.
+# formula that calls the backward op. Defined on a ``torch.library.Library`` with a schema
+# written out, not with ``torch.library.custom_op``: its Python wrappers around every call
+# (argument binding, the backend dispatch wrapper) cost ~20 us a call on top of a body of
+# ~10 (CPU, kernels stubbed; docs/journal/2026-12-02-host-path.md), and under torch.compile
+# every attention call of a training step pays them.
 
 
 # The score modifiers and packed sequences cross the ops as plain values (an op's schema takes
 # ints, floats and tensors, not a ScoreMods or a Packed): window_left, window_right, softcap,
 # alibi, then cu_q, cu_k, max_q, max_k (no cu_q: dense).
+_OPTIONS_SCHEMA = ("SymInt window_left=-1, SymInt window_right=-1, float softcap=0., "
+                   "Tensor? alibi=None, Tensor? cu_q=None, Tensor? cu_k=None, SymInt max_q=0, "
+                   "SymInt max_k=0")
+_OPTIONS = 8
+"""The ops' trailing values (see ``_options``), none of them differentiable."""
 
 
 def _options(window_left, window_right, softcap, alibi, cu_q, cu_k, max_q, max_k):
@@ -204,45 +213,53 @@ def _values(mods: ScoreMods, packed: Packed | None) -> tuple:
     return (*mods.window, mods.softcap, mods.alibi, *seqs)
 
 
-@torch.library.custom_op("tvm_flash::fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-            causal: str, scale: float, window_left: int = -1, window_right: int = -1,
-            softcap: float = 0.0, alibi: torch.Tensor | None = None,
-            cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,
-            max_q: int = 0, max_k: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+_LIB = torch.library.Library("tvm_flash", "DEF")
+_LIB.define("fwd(Tensor q, Tensor k, Tensor v, Tensor? sinks, str causal, float scale, "
+            f"{_OPTIONS_SCHEMA}) -> (Tensor, Tensor)")
+_LIB.define("bwd(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? sinks, "
+            f"str causal, float scale, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)")
+_DEVICE_KEYS = ("CPU", "CUDA", "MPS")
+"""The dispatch keys the ops' implementations serve: the devices ``check_inputs`` accepts."""
+
+
+def _fwd_impl(q, k, v, sinks, causal, scale, window_left=-1, window_right=-1, softcap=0.0,
+              alibi=None, cu_q=None, cu_k=None, max_q=0, max_k=0):
+    """``tvm_flash::fwd``: ``(out, lse)`` (:func:`flash_forward` on the kernel views). The
+    dispatcher hands a Python kernel the arguments as the caller gave them: the schema's
+    defaults are repeated here."""
     return flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal, scale,
-                         *_options(window_left, window_right, softcap, alibi, cu_q, cu_k, max_q,
-                                   max_k))
+                         *_options(window_left, window_right, softcap, alibi, cu_q, cu_k,
+                                   max_q, max_k))
 
 
-# Fakes allocate like the real ops (layout.output_like), so their strides agree.
-@_fwd_op.register_fake
-def _(q, k, v, sinks, causal, scale, *options):
+def _fwd_fake(q, k, v, sinks, causal, scale, *options):
+    # fakes allocate like the real ops (layout.output_like), so their strides agree
     return output_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("tvm_flash::bwd", mutates_args=())
-def _bwd_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None, causal: str,
-            scale: float, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-            alibi: torch.Tensor | None = None, cu_q: torch.Tensor | None = None,
-            cu_k: torch.Tensor | None = None, max_q: int = 0, max_k: int = 0
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_impl(do, q, k, v, out, lse, sinks, causal, scale, window_left=-1, window_right=-1,
+              softcap=0.0, alibi=None, cu_q=None, cu_k=None, max_q=0, max_k=0):
+    """``tvm_flash::bwd``: ``(dq, dk, dv, dsinks)``; an op returns tensors, so without sinks
+    ``dsinks`` is an empty ``(0,)`` tensor (no fill launched for a gradient nobody reads)."""
     dq, dk, dv, dsinks = flash_backward(
         kernel_view(do), kernel_view(q), kernel_view(k), kernel_view(v), kernel_view(out),
         lse.contiguous(), sinks, causal, scale,
         *_options(window_left, window_right, softcap, alibi, cu_q, cu_k, max_q, max_k))
-    # an op returns tensors: zeros for the sinks a forward without them does not have
-    return dq, dk, dv, dsinks if dsinks is not None else lse.new_zeros(q.shape[1])
+    return dq, dk, dv, dsinks if dsinks is not None else lse.new_empty(0)
 
 
-@_bwd_op.register_fake
-def _(do, q, k, v, out, lse, sinks, causal, scale, *options):
-    return output_like(q), output_like(k), output_like(v), lse.new_empty(q.shape[1])
+def _bwd_fake(do, q, k, v, out, lse, sinks, causal, scale, *options):
+    return (output_like(q), output_like(k), output_like(v),
+            lse.new_empty(q.shape[1] if sinks is not None else 0))
 
 
-_OPTIONS = 8
-"""The ops' trailing values (see ``_options``), none of them differentiable."""
+for _key in _DEVICE_KEYS:
+    _LIB.impl("fwd", _fwd_impl, _key)
+    _LIB.impl("bwd", _bwd_impl, _key)
+torch.library.register_fake("tvm_flash::fwd", _fwd_fake, lib=_LIB)
+torch.library.register_fake("tvm_flash::bwd", _bwd_fake, lib=_LIB)
+_fwd_op = torch.ops.tvm_flash.fwd.default
+_bwd_op = torch.ops.tvm_flash.bwd.default
 
 
 def _setup_context(ctx, inputs, output):
@@ -255,6 +272,9 @@ def _setup_context(ctx, inputs, output):
     ctx.window, ctx.softcap = mods.window, mods.softcap
     ctx.max_seqlens = (packed.max_q, packed.max_k) if packed else (0, 0)
     ctx.mark_non_differentiable(lse)
+    # lse has no gradient: without this autograd would fill a zero tensor for it every
+    # backward (a launch a call), which the backward never reads
+    ctx.set_materialize_grads(False)
 
 
 def _saved(ctx):
@@ -270,52 +290,77 @@ def _grads(dq, dk, dv, dsinks, sinks):
 
 
 def _backward(ctx, dout, _dlse):
+    if dout is None:  # no gradient reached out (lse has none): none for the inputs either
+        return _grads(None, None, None, None, None)
     (q, k, v, out, lse, sinks), (mods, packed) = _saved(ctx)
     dq, dk, dv, dsinks = _bwd_op(dout, q, k, v, out, lse, sinks, ctx.causal, ctx.scale,
                                  *_values(mods, packed))
     return _grads(dq, dk, dv, dsinks, sinks)
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("tvm_flash::fwd", _backward, setup_context=_setup_context,
+                                lib=_LIB)
+
+
+def _swap(t, transposed: bool):
+    """``t`` with dims 1 and 2 swapped where the caller's layout is ``(B, L, H, D)``."""
+    return t.transpose(1, 2) if transposed else t
 
 
 class _Attention(torch.autograd.Function):
     """The eager door: the custom op's forward and autograd formula without its wrappers.
     Saves the kernel views of q, k, v (the same tensors unless a copy was needed), so the
-    backward takes them as they are."""
+    backward takes them as they are. ``transposed``: q, k, v and out are the caller's
+    ``(B, L, H, D)`` tensors, whose ``(B, H, L, D)`` views the kernels take — made here, so
+    that autograd records this one node and not four transposes besides (each a node of its
+    own in the backward: ~180 us more a call for flash_attn_func's forward and backward on the
+    H200's host, docs/journal/2026-12-02-host-path.md); gradients come back in that layout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, causal, scale, *options):
-        q, k, v = kernel_view(q), kernel_view(k), kernel_view(v)
+    def forward(ctx, q, k, v, sinks, causal, scale, transposed, *options):
+        q, k, v = (kernel_view(_swap(t, transposed)) for t in (q, k, v))
         out, lse = flash_forward(q, k, v, sinks, causal, scale, *_options(*options))
         _setup_context(ctx, (q, k, v, sinks, causal, scale, *options), (out, lse))
-        return out, lse
+        ctx.transposed = transposed
+        return _swap(out, transposed), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # grads are not materialised (_setup_context)
+            return (*_grads(None, None, None, None, None)[:6], None, *[None] * _OPTIONS)
         (q, k, v, out, lse, sinks), (mods, packed) = _saved(ctx)
+        dout = _swap(dout, ctx.transposed)
         if not _eager(dout, q, k):  # traced (compiled autograd): the tracer sees the op
-            return _backward(ctx, dout, _dlse)
-        dq, dk, dv, dsinks = flash_backward(kernel_view(dout), q, k, v, out, lse, sinks,
-                                            ctx.causal, ctx.scale, mods, packed)
-        return _grads(dq, dk, dv, dsinks, sinks)
+            dq, dk, dv, dsinks, *rest = _backward(ctx, dout, _dlse)
+        else:
+            dq, dk, dv, dsinks = flash_backward(kernel_view(dout), q, k, v, out, lse, sinks,
+                                                ctx.causal, ctx.scale, mods, packed)
+            dsinks = dsinks if sinks is not None else None
+        return (*(_swap(g, ctx.transposed) for g in (dq, dk, dv)), dsinks, None, None, None,
+                *[None] * _OPTIONS)
 
 
 def forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = NO_MODS,
-            packed: Packed | None = None):
+            packed: Packed | None = None, transposed: bool = False):
     """``(out, lse)`` of validated inputs in ``(B, H, L, D)`` (packed sequences: ``(1, H,
-    rows, D)`` views and ``packed``), recording the backward where autograd needs it; the
-    custom op ``tvm_flash::fwd`` where a tracer must see it. A head dim without kernels is
-    padded to the next (:func:`native_head_dim`)."""
+    rows, D)`` views and ``packed``; ``transposed``: q, k, v and out in ``(B, L, H, D)``),
+    recording the backward where autograd needs it; the custom op ``tvm_flash::fwd`` where a
+    tracer must see it. A head dim without kernels is padded to the next
+    (:func:`native_head_dim`)."""
     if q.shape[-1] not in HEAD_DIMS:
-        return pad_head_dim(forward, q, k, v, sinks, causal, scale, mods, packed)
+        return pad_head_dim(forward, q, k, v, sinks, causal, scale, mods, packed, transposed)
     if not _eager(q, k, v):
-        return _fwd_op(q, k, v, sinks, causal, scale, *_values(mods, packed))
+        out, lse = _fwd_op(_swap(q, transposed), _swap(k, transposed), _swap(v, transposed),
+                           sinks, causal, scale, *_values(mods, packed))
+        return _swap(out, transposed), lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
             sinks is not None and sinks.requires_grad)):
-        return _Attention.apply(q, k, v, sinks, causal, scale, *_values(mods, packed))
-    return flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal, scale,
-                         mods, packed)
+        return _Attention.apply(q, k, v, sinks, causal, scale, transposed,
+                                *_values(mods, packed))
+    out, lse = flash_forward(kernel_view(_swap(q, transposed)), kernel_view(_swap(k, transposed)),
+                             kernel_view(_swap(v, transposed)), sinks, causal, scale, mods,
+                             packed)
+    return _swap(out, transposed), lse
 
 
 BHLD = "(B, H, L, D)"
@@ -629,9 +674,11 @@ def varlen_forward(q, k, v, packed: Packed, sinks, causal: str, scale: float,
                    mods: ScoreMods = NO_MODS):
     """``(out, lse)`` of validated packed sequences: out ``(total_q, Hq, D)``, lse
     ``(Hq, total_q)``."""
-    out, lse = forward(_packed_view(q), _packed_view(k), _packed_view(v), sinks, causal, scale,
-                       mods, packed)
-    return out[0].transpose(0, 1), lse[0]
+    # (1, total, H, D) is (B, L, H, D) with B = 1: the transposes happen inside the autograd
+    # node (``forward``'s ``transposed``)
+    out, lse = forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), sinks, causal, scale,
+                       mods, packed, transposed=True)
+    return out[0], lse[0]
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
