@@ -160,6 +160,13 @@ class HopperTile:
       DRAM 39% busy against 4% for the plain dK/dV) or ``"head"`` (a head's key tiles
       adjacent, as FlashAttention-3 launches them: the resident blocks share a few heads' rows
       in the L2, and each waits for the key tile before it, launched just before it).
+      ``dq_pad`` (with ``dq``): the float32 dQ tile's rows padded by :data:`DQ_PAD` floats,
+      in shared memory and so in the accumulator the bulk add writes (:func:`dq_row` floats a
+      row). Unpadded, the rows are 512 bytes apart and a warp's 64-bit stores of 8 rows fall
+      in the same 8 banks (ncu, D 128 N 4096 unmasked: 105 M bank conflicts in 485 M shared
+      wavefronts, the stores 18% of the stall samples); padded, 4 rows fill all 32 banks.
+      A padding keeps the stores' addresses affine (a swizzle of the chunks cost ptxas 28
+      more bytes of spill for its per-chunk address arithmetic).
     * ``tanh`` (keys with a soft cap): the form of the cap's tanh
       (``kernels.common.TANH_FORMS``); not a tuning variant (it changes the results), to be
       taken only where it measures within the error bounds and faster
@@ -223,6 +230,7 @@ class HopperTile:
     stats_early: bool = False
     overlap: bool = False
     dq_order: str = "key"
+    dq_pad: bool = False
 
     @property
     def rows(self) -> int:
@@ -244,7 +252,8 @@ class HopperTile:
                 tiles += self.stages * 2 * self.step * 4
                 tiles += self.stages * self.step // 4 * WG * 4 if self.split else 0
                 if self.dq:  # dS^T of both consumers, double-buffered; the float32 dQ tile
-                    tiles += 2 * self.consumers * 64 * self.step * 2 + self.step * d * 4 + 2048
+                    tiles += (2 * self.consumers * 64 * self.step * 2
+                              + self.step * dq_row(d, self) * 4 + 2048)
         return tiles + 1024
 
     def tile_config(self, op: str) -> TileConfig:
@@ -730,6 +739,17 @@ def _swizzled(chunk, row):
     return chunk ^ row % 8
 
 
+DQ_PAD = 8
+"""Floats added to each row of the fused dQ tile with ``HopperTile.dq_pad``: 32 bytes, so
+that rows r and r + 1 start 8 banks apart."""
+
+
+def dq_row(d: int, tile: HopperTile) -> int:
+    """Floats a row of the fused dQ tile and of its float32 accumulator take: ``d``, plus
+    :data:`DQ_PAD` with ``tile.dq_pad`` (the accumulator's columns ``d`` on are padding)."""
+    return d + (DQ_PAD if tile.dq_pad else 0)
+
+
 def _desc(d, ptr, ldo: int, sdo: int, swizzle: int):
     """Fill the 64-bit ``wgmma`` matrix descriptor ``d`` for a swizzled tile at ``ptr``
     (offsets in 16-byte units)."""
@@ -1164,6 +1184,8 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if chosen.dq_order not in ("key", "head") or chosen.dq_order != "key" and not chosen.dq:
         raise ValueError(f"{key.name}: tile {chosen}: dq_order is the fused dQ's block order, "
                          "'key' or 'head'")
+    if chosen.dq_pad and not chosen.dq:
+        raise ValueError(f"{key.name}: tile {chosen}: dq_pad is the fused dQ tile's layout")
     if chosen.tma_store and (key.op != "fwd" or key.varlen or atom(key.head_dim) != 64):
         raise ValueError(f"{key.name}: tile {chosen}: the bulk store of O is the forward's, at "
                          "head dims that are multiples of 64, without packed sequences")
@@ -1577,7 +1599,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     if DQ:  # dS^T (2 buffers x consumers, 64 keys x BQ queries) and the dQ tile (BQ x D, f32)
         dst_off = (bar_off + 1023) // 1024 * 1024
         dqt_off = dst_off + 2 * NC * 64 * BQ * 2
-        bar_off = dqt_off + BQ * D * 4
+        DQ_ROW = dq_row(D, tile)  # the dQ tile's and accumulator's row, in floats
+        bar_off = dqt_off + BQ * DQ_ROW * 4
     NB = 1 + (3 if SPLIT else 2) * ST  # K and V; full, empty (split: P ready) per stage
     FULL, EMPTY, PREADY = 1, 1 + ST, 1 + 2 * ST
     pool_bytes = bar_off + 8 * NB
@@ -1826,7 +1849,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         mma_q = f"wgmma.mma_async.sync.aligned.m64n{D // 2}k16.f32.{ab}.{ab}"
         DS_BOTH, DQ_FULL, DQ_EMPTY = 1, 2, 3  # named barriers (0 is __syncthreads')
         DQ_THREADS = NC * WG + 32  # the consumers and the writer warp
-        dq_bytes = BQ * D * 4
+        dq_bytes = BQ * DQ_ROW * 4
 
         @T.macro
         def first_dq(w, c, Lq):
@@ -1910,7 +1933,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             for r in T.unroll(2):
                 for n in T.unroll(NQ):
                     for e in T.unroll(2):
-                        dqt[(t // 32 * 16 + lane // 4 + r * 8) * D + cw * (D // 2) + n * 8
+                        dqt[(t // 32 * 16 + lane // 4 + r * 8) * DQ_ROW + cw * (D // 2) + n * 8
                             + lane % 4 * 2 + e] = dqa[n * 4 + r * 2 + e]
             T.ptx.fence.proxy.async_.shared__cta()
             T.ptx.barrier.arrive.aligned(DQ_FULL, DQ_THREADS)
@@ -1944,7 +1967,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                                 align=16)
             # dQ's float32 sums, rows padded to whole query tiles, and one counter per
             # (batch, query head, query tile): how many key tiles have added theirs
-            DQacc = T.match_buffer(dqacc_h, (B, Hq, Lqp, D), F32, align=16)
+            DQacc = T.match_buffer(dqacc_h, (B, Hq, Lqp, DQ_ROW), F32, align=16)
             Sem = T.match_buffer(sem_h, (B, Hq, NQT), "int32")
             _require_vector_rows("flash_dkv", Q, K, V, dO, dK, dV)
             qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -1975,7 +1998,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                                 elem_offset=dst_off // 2, scope="shared.dyn")
             dstw = T.decl_buffer((2, NC, 64 * BQ // 2), "uint32", data=pool.data,
                                  elem_offset=dst_off // 4, scope="shared.dyn")
-            dqt = T.decl_buffer((BQ * D,), F32, data=pool.data, elem_offset=dqt_off // 4,
+            dqt = T.decl_buffer((BQ * DQ_ROW,), F32, data=pool.data, elem_offset=dqt_off // 4,
                                 scope="shared.dyn")
             bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
                                  scope="shared.dyn")

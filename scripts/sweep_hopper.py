@@ -72,13 +72,7 @@ def _build(key, tile: dict | None, out: str):
     cuda_mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
 
     if key.target == "cuda-sm_90a":
-        t = None
-        if tile and tile.get("+"):  # fields changed on the key's default tile
-            t = dataclasses.replace(cuda_hopper.tile(key),
-                                    **{f: x for f, x in tile.items() if f != "+"})
-        elif tile:
-            t = cuda_hopper.HopperTile(**tile)
-        func, pipeline = cuda_hopper.kernel(key, t), "tirx"
+        func, pipeline = cuda_hopper.kernel(key, _tile_of(key, tile) if tile else None), "tirx"
     else:
         func, pipeline = cuda_mma.kernel(key), "default"
     # the target as context: TVM's CUDA compile callback reads the arch from it instead of
@@ -270,7 +264,7 @@ def _check_varlen_backward(fn, key, q4, k4, v4, cu_q, cu_k, mods, scale, tail):
     return ok, f"max grad err {worst:.3g} (packed)"
 
 
-def check(fn, key, device, strided: bool = True, fused: bool = False,
+def check(fn, key, device, strided: bool = True, fused: int | None = None,
           deterministic: bool = True) -> tuple[bool, str]:
     """Max errors over the odd shapes, vs the same maths in the input precision."""
     if key.varlen:
@@ -318,21 +312,40 @@ def _grads(q, k, v, do, causal, scale, dtype, **mods):
     return out.detach(), lse.detach(), grads
 
 
-def _fused_workspace(q):
+def _fused_workspace(q, row: int):
     """The 5-GEMM dK/dV's extra arguments: dQ's float32 sums (rows padded to 64-row query
-    tiles) and one counter per (batch, head, query tile), both zeroed."""
+    tiles, ``row`` floats each: ``cuda_hopper.dq_row``) and one counter per (batch, head,
+    query tile), both zeroed."""
     import torch
 
     b, hq, lq, d = q.shape
     tiles = -(-lq // 64)
-    return (torch.zeros(b, hq, tiles * 64, d, dtype=torch.float32, device=q.device),
+    return (torch.zeros(b, hq, tiles * 64, row, dtype=torch.float32, device=q.device),
             torch.zeros(b, hq, tiles, dtype=torch.int32, device=q.device))
 
 
-def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout, fused: bool = False,
+def _tile_of(key, tile: dict):
+    """The HopperTile a sweep's tile names (``"+"``: fields changed on the key's default
+    tile)."""
+    import importlib
+
+    cuda_hopper = importlib.import_module("tvm_flash.schedules.cuda_hopper")
+    if tile.get("+"):
+        return dataclasses.replace(cuda_hopper.tile(key),
+                                   **{f: x for f, x in tile.items() if f != "+"})
+    return cuda_hopper.HopperTile(**tile)
+
+
+def _fused_dq(acc, lq: int, d: int, scale: float, dtype):
+    """dQ from the 5-GEMM dK/dV's float32 sums: rows cut to ``lq``, a padded tile's columns
+    (``HopperTile.dq_pad``) to ``d``, scaled, rounded."""
+    return (acc[:, :, :lq, :d] * scale).to(dtype)
+
+
+def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout, fused: int | None = None,
                   extra=()):
     """Call the dq or dkv kernel on NaN-poisoned outputs (in ``layout``); its gradients
-    (``fused``: dq, dk, dv from the 5-GEMM dK/dV)."""
+    (``fused``, the dQ accumulator's row of a 5-GEMM dK/dV: dq, dk, dv)."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     if op == "dq":
@@ -342,19 +355,19 @@ def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout, fused: bool = 
     dk = _tensor(b, hkv, lk, d, q.dtype, q.device, layout, float("nan"))
     dv = _tensor(b, hkv, lk, d, q.dtype, q.device, layout, float("nan"))
     if fused:
-        acc, sem = _fused_workspace(q)
+        acc, sem = _fused_workspace(q, fused)
         fn(q, k, v, do, lse, delta, dk, dv, scale, acc, sem)
-        return (acc[:, :, :lq] * scale).to(q.dtype), dk, dv
+        return _fused_dq(acc, lq, d, scale, q.dtype), dk, dv
     fn(q, k, v, do, lse, delta, dk, dv, scale, *extra)
     return dk, dv
 
 
-def check_backward(fn, key, device, strided: bool = True, fused: bool = False,
+def check_backward(fn, key, device, strided: bool = True, fused: int | None = None,
                    deterministic: bool = True) -> tuple[bool, str]:
     """dq or dkv alone, fed the float64 reference's LSE and Delta = rowsum(dO O): its
     gradients vs float64 within 3x the error of the same maths in the input precision + a
-    floor (tests/checks.py). ``fused``: the 5-GEMM dK/dV, dQ too, and every case run three
-    times with bitwise-equal results (unless ``deterministic`` is False: its dQ adds in
+    floor (tests/checks.py). ``fused`` (its dQ row): the 5-GEMM dK/dV, dQ too, and every case
+    run three times with bitwise-equal results (unless ``deterministic`` is False: its dQ adds in
     arrival order)."""
     import torch
 
@@ -394,9 +407,24 @@ def check_backward(fn, key, device, strided: bool = True, fused: bool = False,
     return ok, f"max grad err {worst:.3g}"
 
 
-def timing_backward(fn, key, n: int, device, fused: bool = False) -> dict:
-    """The kernel alone at B N = 16k tokens, hidden 2048 (inputs contiguous); ``fused``: the
-    5-GEMM dK/dV with its accumulator zeroed before and converted after."""
+PROFILE_ONCE = False
+"""``--profile-once``: each timed call runs once more between cudaProfilerStart and Stop, for
+``ncu --profile-from-start off`` (or nsys) to profile exactly that call."""
+
+
+def _profile_once(call) -> None:
+    import torch
+
+    if PROFILE_ONCE:
+        torch.cuda.synchronize()
+        with torch.cuda.profiler.profile():
+            call()
+            torch.cuda.synchronize()
+
+
+def timing_backward(fn, key, n: int, device, fused: int | None = None) -> dict:
+    """The kernel alone at B N = 16k tokens, hidden 2048 (inputs contiguous); ``fused`` (its
+    dQ row): the 5-GEMM dK/dV with its accumulator zeroed before and converted after."""
     import torch
     from triton.testing import do_bench
 
@@ -412,20 +440,21 @@ def timing_backward(fn, key, n: int, device, fused: bool = False) -> dict:
     gemms = 5 if fused else GEMMS[key.op]
     flops = gemms * 2 * b * h * n * n * d // (2 if key.causal != "none" else 1)
     if fused:
-        acc, sem = _fused_workspace(q)
+        acc, sem = _fused_workspace(q, fused)
         dq = torch.empty_like(q)
 
         def call():
             acc.zero_()
             sem.zero_()
             fn(q, k, v, do, lse, delta, *outs, scale, acc, sem)
-            dq.copy_(acc[:, :, :n] * scale)
+            dq.copy_(_fused_dq(acc, n, d, scale, dq.dtype))
     else:
         extra = _timed_mods(key, q, k)
 
         def call():
             fn(q, k, v, do, lse, delta, *outs, scale, *extra)
     ms = do_bench(call, warmup=50, rep=300, return_mode="median")
+    _profile_once(call)
     return {"ours": flops / ms / 1e9, "ms": ms}
 
 
@@ -445,6 +474,7 @@ def timing(fn, key, n: int, device) -> dict:
     extra = _timed_mods(key, q, k)
     ms = do_bench(lambda: _run(fn, q, k, v, None, 1 / math.sqrt(d), extra), warmup=50,
                   rep=300, return_mode="median")
+    _profile_once(lambda: _run(fn, q, k, v, None, 1 / math.sqrt(d), extra))
     res["ours"], res["ms"] = flops / ms / 1e9, ms
     if key.mods:  # torch's backends have none of them: the plain key's row is the comparison
         return res
@@ -487,8 +517,13 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count())
     p.add_argument("--sass", action="store_true",
                    help="count HGMMA/HMMA, spills and conversions in each variant's SASS")
+    p.add_argument("--profile-once", action="store_true",
+                   help="run each timed call once more between cudaProfilerStart/Stop (for "
+                        "ncu --profile-from-start off)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    global PROFILE_ONCE
+    PROFILE_ONCE = args.profile_once
 
     import importlib
 
@@ -564,7 +599,8 @@ def main(argv=None) -> int:
         if files is None:
             continue
         row = {"key": key.name, "tile": t}
-        fused = bool(t and t.get("dq"))
+        fused = (cuda_hopper.dq_row(key.head_dim, _tile_of(key, t)) if t and t.get("dq")
+                 else None)
         try:
             fn = _load(*files)
             row["ok"], row["check"] = check(fn, key, device, strided=key.target != "cuda-sm_90",

@@ -276,6 +276,25 @@ def test_fused_dq_tile_lowers_and_adds_in_order(causal):
         hopper.kernel(KernelKey("dkv", 64, "bfloat16", causal, 1, "cuda-sm_90a"), FUSED)
 
 
+def test_fused_dq_pad():
+    """``HopperTile.dq_pad``: the fused dQ tile's rows (and its accumulator's) padded by
+    ``DQ_PAD`` floats, so that a warp's 64-bit stores of 8 rows x 8 columns fall in 32
+    distinct banks per 4 rows instead of 8 (512-byte rows); the tile, its bulk add and the
+    accumulator's row grow by the padding; only the fused dQ has it."""
+    key = KernelKey("dkv", 128, "bfloat16", "none", 1, "cuda-sm_90a")
+    padded = dataclasses.replace(FUSED, dq_pad=True)
+    row = hopper.dq_row(128, padded)
+    assert row == 128 + hopper.DQ_PAD and hopper.dq_row(128, FUSED) == 128
+    banks = {(r * row + n * 8 + j) % 32 for r in range(4) for n in (0,) for j in range(8)}
+    assert len(banks) == 32
+    src = _source(key, padded)
+    assert f"(uint){64 * row * 4}" in src and f"(uint){64 * 128 * 4}" in _fused_source("none")
+    _register_handoff_fits(src)
+    assert padded.smem_bytes(128, "dkv") == FUSED.smem_bytes(128, "dkv") + 64 * 8 * 4
+    with pytest.raises(ValueError, match="dq_pad"):
+        hopper.kernel(key, dataclasses.replace(hopper.tile(key), dq_pad=True))
+
+
 def test_fused_dq_block_orders():
     """``HopperTile.dq_order``: the 5-GEMM dK/dV's blocks key tile major (the default: every
     head's first key tile, then every head's second) or with a head's key tiles adjacent
