@@ -21,11 +21,14 @@ On CUDA if present, else on the CPU (``--device`` overrides); ``--tiny`` shrinks
     TVM_FLASH_JIT=1 python scripts/bench_overhead.py --out overhead.json          # H200
     TVM_FLASH_JIT=1 python scripts/bench_overhead.py --tiny --dtype fp32          # CPU
 
-``--profile`` then shows, per row and case, where the time goes (torch.profiler: device
-kernels per call, host ops). ``--tensormaps`` times what the Hopper kernels add to each call
-on the host: encoding a TMA tensor map (``cuTensorMapEncodeTiled``, called from libcuda
-directly, the ctypes call's own cost measured on ``cuDriverGetVersion`` and taken off) —
-three maps a forward, four a dQ or dK/dV kernel (``schedules/cuda_hopper.py``, ``_tmap``).
+``--compiled`` adds each row once more through ``torch.compile`` (the function compiled, so
+``tvm_flash`` runs as its two custom ops inside the compiled graphs, as in a compiled
+training step). ``--profile`` then shows, per row and case, where the time goes
+(torch.profiler: device kernels per call, host ops). ``--tensormaps`` times what the Hopper
+kernels add to each call on the host: encoding a TMA tensor map (``cuTensorMapEncodeTiled``,
+called from libcuda directly, the ctypes call's own cost measured on ``cuDriverGetVersion``
+and taken off) — three maps a forward, four a dQ or dK/dV kernel
+(``schedules/cuda_hopper.py``, ``_tmap``).
 """
 
 from __future__ import annotations
@@ -180,6 +183,8 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--profile", action="store_true",
                    help="then profile each row in each case (torch.profiler)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also each row through torch.compile")
     p.add_argument("--tensormaps", action="store_true",
                    help="also time the TMA tensor maps the Hopper kernels encode per call")
     args = p.parse_args(argv)
@@ -197,17 +202,22 @@ def main(argv=None):
     print(f"# {name}, {dtype}, torch {torch.__version__}; microseconds per call "
           f"(median of {args.repeats} x {args.iters} calls)")
     results = {}
-    print(f"{'':28}" + "".join(f"{case:>10}" for case in shapes))
-    for impl_name, (impl, layout) in IMPLS.items():
+    impls = dict(IMPLS)
+    if args.compiled:
+        impls.update({f"{name} (compiled)": (torch.compile(impl), layout)
+                      for name, (impl, layout) in IMPLS.items()})
+    print(f"{'':34}" + "".join(f"{case:>10}" for case in shapes))
+    for impl_name, (impl, layout) in impls.items():
         row = {case: measure(case, shape, impl, layout, dtype, device, args.iters,
                              args.repeats) for case, shape in shapes.items()}
         results[impl_name] = row
-        print(f"{impl_name:28}" + "".join(f"{row[c]:10.1f}" for c in shapes), flush=True)
-    for impl_name in IMPLS:
-        if impl_name != "sdpa":
-            ratio = " ".join(f"{c} {results[impl_name][c] / results['sdpa'][c]:.2f}x"
+        print(f"{impl_name:34}" + "".join(f"{row[c]:10.1f}" for c in shapes), flush=True)
+    for impl_name in impls:
+        base = "sdpa (compiled)" if impl_name.endswith("(compiled)") else "sdpa"
+        if not impl_name.startswith("sdpa"):
+            ratio = " ".join(f"{c} {results[impl_name][c] / results[base][c]:.2f}x"
                              for c in shapes)
-            print(f"# {impl_name} / sdpa: {ratio}")
+            print(f"# {impl_name} / {base}: {ratio}")
     if args.out:
         meta = {"device": name, "dtype": str(dtype), "torch": torch.__version__,
                 "commit": _commit(), "date": datetime.date.today().isoformat(),
@@ -219,7 +229,7 @@ def main(argv=None):
                                                      indent=1))
         print(f"wrote {args.out}")
     if args.profile:
-        for impl_name, (impl, layout) in IMPLS.items():
+        for impl_name, (impl, layout) in impls.items():
             for case, shape in shapes.items():
                 profile(f"{impl_name}, {case}", shape, impl, layout, dtype, device)
 
