@@ -327,17 +327,17 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # grads are not materialised (_setup_context)
-            return (*_grads(None, None, None, None, None)[:6], None, *[None] * _OPTIONS)
-        (q, k, v, out, lse, sinks), (mods, packed) = _saved(ctx)
-        dout = _swap(dout, ctx.transposed)
-        if not _eager(dout, q, k):  # traced (compiled autograd): the tracer sees the op
-            dq, dk, dv, dsinks, *rest = _backward(ctx, dout, _dlse)
+            grads = _grads(None, None, None, None, None)
         else:
-            dq, dk, dv, dsinks = flash_backward(kernel_view(dout), q, k, v, out, lse, sinks,
-                                                ctx.causal, ctx.scale, mods, packed)
-            dsinks = dsinks if sinks is not None else None
-        return (*(_swap(g, ctx.transposed) for g in (dq, dk, dv)), dsinks, None, None, None,
-                *[None] * _OPTIONS)
+            (q, k, v, out, lse, sinks), (mods, packed) = _saved(ctx)
+            dout = _swap(dout, ctx.transposed)
+            if not _eager(dout, q, k):  # traced (compiled autograd): the tracer sees the op
+                grads = _backward(ctx, dout, _dlse)
+            else:
+                grads = _grads(*flash_backward(kernel_view(dout), q, k, v, out, lse, sinks,
+                                               ctx.causal, ctx.scale, mods, packed), sinks)
+            grads = (*(_swap(g, ctx.transposed) for g in grads[:3]), *grads[3:])
+        return (*grads[:6], None, *grads[6:])  # no gradient for ``transposed`` either
 
 
 def forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = NO_MODS,
@@ -349,17 +349,18 @@ def forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = NO_MODS
     (:func:`native_head_dim`)."""
     if q.shape[-1] not in HEAD_DIMS:
         return pad_head_dim(forward, q, k, v, sinks, causal, scale, mods, packed, transposed)
-    if not _eager(q, k, v):
-        out, lse = _fwd_op(_swap(q, transposed), _swap(k, transposed), _swap(v, transposed),
-                           sinks, causal, scale, *_values(mods, packed))
-        return _swap(out, transposed), lse
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or (
-            sinks is not None and sinks.requires_grad)):
+    eager = _eager(q, k, v)
+    if eager and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or (sinks is not None and sinks.requires_grad)):
         return _Attention.apply(q, k, v, sinks, causal, scale, transposed,
                                 *_values(mods, packed))
-    out, lse = flash_forward(kernel_view(_swap(q, transposed)), kernel_view(_swap(k, transposed)),
-                             kernel_view(_swap(v, transposed)), sinks, causal, scale, mods,
-                             packed)
+    q, k, v = (_swap(t, transposed) for t in (q, k, v))
+    if eager:
+        out, lse = flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal,
+                                 scale, mods, packed)
+    else:
+        out, lse = _fwd_op(q, k, v, sinks, causal, scale, *_values(mods, packed))
     return _swap(out, transposed), lse
 
 
