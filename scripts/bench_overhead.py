@@ -11,9 +11,10 @@ Three cases (issue #20's shapes; bf16 on CUDA):
 Rows: torch SDPA (``F.scaled_dot_product_attention``), ``tvm_flash.attention`` on
 (B, H, L, D) tensors and, where the package has it, ``tvm_flash.flash_attn_func`` on
 (B, L, H, D) tensors. A figure is the median over ``--repeats`` runs of ``--iters``
-back-to-back calls, divided by ``--iters``; the device is synchronised after each run. With
-tiny kernels the device finishes each call before the host issues the next, so this is the
-host's cost per call.
+back-to-back calls, divided by ``--iters``; the device is synchronised after each run. The
+rows of a shape are timed in turns (``measure_case``) and a ratio to SDPA is the median of
+the turns' ratios. With tiny kernels the device finishes each call before the host issues
+the next, so this is the host's cost per call.
 
 On CUDA if present, else on the CPU (``--device`` overrides); ``--tiny`` shrinks every shape
 (CPU: lets the host part show next to the CPU kernels' own time).
@@ -95,8 +96,21 @@ def _per_call_us(fn, device, iters: int, repeats: int) -> float:
     return statistics.median(runs) * 1e6
 
 
-def measure(case, shape, impl, layout, dtype, device, iters, repeats) -> float:
-    return _per_call_us(_call(shape, impl, layout, dtype, device), device, iters, repeats)
+def measure_case(shape, impls: dict, dtype, device, iters, repeats) -> dict:
+    """Per-call µs of every row at one shape, the rows timed in turns (run ``r`` of each row
+    before run ``r + 1`` of any, the first row rotating): the host drifts by tens of percent
+    within minutes, which a row timed after another would take for its own cost. Returns
+    ``{row: [per-call µs of each run]}``."""
+    calls = {name: _call(shape, impl, layout, dtype, device)
+             for name, (impl, layout) in impls.items()}
+    for fn in calls.values():
+        _per_call_us(fn, device, iters, 1)  # warm-up (and the first call's build)
+    runs = {name: [] for name in calls}
+    names = list(calls)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(_per_call_us(calls[name], device, iters, 1))
+    return runs
 
 
 def profile(case, shape, impl, layout, dtype, device, calls: int = 50) -> None:
@@ -201,23 +215,26 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# {name}, {dtype}, torch {torch.__version__}; microseconds per call "
           f"(median of {args.repeats} x {args.iters} calls)")
-    results = {}
     impls = dict(IMPLS)
     if args.compiled:
         impls.update({f"{name} (compiled)": (torch.compile(impl), layout)
                       for name, (impl, layout) in IMPLS.items()})
+    runs = {case: measure_case(shape, impls, dtype, device, args.iters, args.repeats)
+            for case, shape in shapes.items()}
+    results = {name: {c: statistics.median(runs[c][name]) for c in shapes} for name in impls}
     print(f"{'':34}" + "".join(f"{case:>10}" for case in shapes))
-    for impl_name, (impl, layout) in impls.items():
-        row = {case: measure(case, shape, impl, layout, dtype, device, args.iters,
-                             args.repeats) for case, shape in shapes.items()}
-        results[impl_name] = row
-        print(f"{impl_name:34}" + "".join(f"{row[c]:10.1f}" for c in shapes), flush=True)
+    for impl_name in impls:
+        print(f"{impl_name:34}" + "".join(f"{results[impl_name][c]:10.1f}" for c in shapes))
+    ratios = {}
     for impl_name in impls:
         base = "sdpa (compiled)" if impl_name.endswith("(compiled)") else "sdpa"
         if not impl_name.startswith("sdpa"):
-            ratio = " ".join(f"{c} {results[impl_name][c] / results[base][c]:.2f}x"
-                             for c in shapes)
-            print(f"# {impl_name} / {base}: {ratio}")
+            # the median of the per-turn ratios: each compares runs made moments apart
+            ratios[impl_name] = {c: statistics.median(
+                a / b for a, b in zip(runs[c][impl_name], runs[c][base], strict=True))
+                for c in shapes}
+            print(f"# {impl_name} / {base} (median per-turn ratio): "
+                  + " ".join(f"{c} {ratios[impl_name][c]:.2f}x" for c in shapes))
     if args.out:
         meta = {"device": name, "dtype": str(dtype), "torch": torch.__version__,
                 "commit": _commit(), "date": datetime.date.today().isoformat(),
@@ -225,8 +242,10 @@ def main(argv=None):
                 "shapes": {c: dict(zip(("B", "Hq", "Hkv", "Lq", "Lk", "D", "causal",
                                         "backward"), s, strict=True))
                            for c, s in shapes.items()}, "tensormap_us": tmap_us}
-        pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "us_per_call": results},
-                                                     indent=1))
+        pathlib.Path(args.out).write_text(json.dumps(
+            {"meta": meta, "us_per_call": results, "ratio_to_sdpa": ratios,
+             "runs": {c: {n: [round(x, 1) for x in r] for n, r in rc.items()}
+                      for c, rc in runs.items()}}, indent=1))
         print(f"wrote {args.out}")
     if args.profile:
         for impl_name, (impl, layout) in impls.items():

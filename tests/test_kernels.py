@@ -137,11 +137,53 @@ def test_large_head_dim_kernels_stay_in_registers(op, d, dtype, target, tmp_path
     ("fwd", 64, "float32", "cuda-sm_90"),  # fp32: the SIMT schedule
     ("fwd", 256, "float32", "cuda-sm_90"),
     ("bwd_pre", 64, "float32", "cuda-sm_90"),
-    ("fwd_split", 64, "bfloat16", "cuda-sm_90"),  # short-query path
+    ("dq_split", 64, "bfloat16", "cuda-sm_90"),  # short-query path: dQ and its merge
+    ("dq_merge", 64, "bfloat16", "cuda-sm_90"),
+    ("fwd_split", 64, "float32", "cuda-sm_90"),
     ("dq", 64, "float16", "llvm"),
 ])
 def test_other_kernels_are_scheduled_from_the_factories(op, d, dtype, target):
     assert not schedules.lowers(target.split("-")[0], _key(op, d, dtype, target))
+
+
+def test_short_query_forward_with_score_modifiers_keeps_the_simt_split():
+    """The warp-level split takes plain keys only (its packed rows span heads, whose ALiBi
+    slopes and windows differ); a key with a modifier is scheduled from the factory."""
+    key = dataclasses.replace(_key("fwd_split", 64, "bfloat16", "cuda-sm_90"), softcap=True)
+    assert not schedules.lowers("cuda", key)
+
+
+@functools.cache
+def _short_source(op, d, dtype, target):
+    return device_source(compile_module(_key(op, d, dtype, target)))
+
+
+SHORT_CASES = [(32, "float16", "cuda-sm_80"), (64, "bfloat16", "cuda-sm_90"),
+               (128, "float16", "cuda-sm_90"), (160, "bfloat16", "cuda-sm_80"),
+               (256, "bfloat16", "cuda-sm_90a")]
+
+
+@pytest.mark.parametrize("d,dtype,target", SHORT_CASES)
+def test_short_query_forward_is_warp_level(d, dtype, target):
+    """fp16/bf16 decode on sm_80+ runs ``cuda_mma.flash_forward_split`` (the queries as the
+    MMA's n, P^T moved into B fragments by ``movmatrix``) and the warp-per-row merge."""
+    src = _short_source("fwd_split", d, dtype, target)
+    ptx = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    assert f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32" in src
+    assert "movmatrix.sync.aligned.m8n8.trans.b16" in src
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans" in src and "cp.async.cg.shared.global" in src
+    merge = _short_source("fwd_merge", d, dtype, target)
+    assert "__shfl_sync" in merge and "__shfl_xor_sync" in merge
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
+@pytest.mark.parametrize("op", ["fwd_split", "fwd_merge"])
+@pytest.mark.parametrize("d,dtype,target", SHORT_CASES)
+def test_short_query_forward_spills_nothing(op, d, dtype, target, tmp_path):
+    """ptxas keeps the split and merge kernels in registers (``cuda_mma.SPLIT_TILE``)."""
+    spilled, log = _ptxas_spills(_short_source(op, d, dtype, target),
+                                 target[len("cuda-"):], tmp_path)
+    assert spilled == 0, log
 
 
 @pytest.mark.parametrize("target", ["cuda-sm_80", "cuda-sm_90"])

@@ -8,6 +8,7 @@ from checks import check_against_reference, make_inputs
 from conftest import DEVICES
 
 from tvm_flash import attention, plan
+from tvm_flash.opspec import PART_STATS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CAUSAL = ["none", "top-left", "bottom-right"]
@@ -51,6 +52,25 @@ def test_short_query_matches_reference(dtype, causal, lq, d, hq, hkv, device, mo
     check_against_reference(q, k, v, do, causal)
     assert launches == ["fwd_split", "fwd_merge", "bwd_pre", "dq_split", "dq_merge",
                         "dkv_packed"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("d,hq,hkv", [(32, 8, 8), (96, 8, 2), (160, 8, 1), (192, 4, 2),
+                                      (224, 2, 1), (256, 8, 2)])
+@pytest.mark.parametrize("lq", [1, 5])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_short_query_every_head_dim_on_cuda(dtype, causal, lq, d, hq, hkv, monkeypatch,
+                                            launches):
+    """The ``mma.sync`` split kernel (``cuda_mma.flash_forward_split``) at the head dims the
+    other tests leave out, each tile (16-key steps in three stages above D = 128), with an
+    empty split and a (B, L, H, D) query view."""
+    force_splits(monkeypatch, 6)  # 300 keys -> five splits of up to 64 and an empty one
+    q, k, v, do = make_inputs(2, hq, hkv, lq, 300, d, dtype, "cuda")
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    check_against_reference(q, k, v, do, causal)
+    assert launches[:2] == ["fwd_split", "fwd_merge"]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -150,11 +170,10 @@ def test_raw_short_query_kernels_overwrite_poisoned_outputs(causal, device):
     meta = {"head_dim": d, "dtype": "float32", "target": target_tag_for_device(q.device)}
     tiled = {**meta, "causal": causal, "group": hq // hkv}
     row_wise = {**meta, "causal": "none", "group": 1}
-    o_part, m_part, l_part = (poisoned(ns * b, hq, lq, d), poisoned(ns * b, hq, lq),
-                              poisoned(ns * b, hq, lq))
+    part = poisoned(ns * b, hq, lq, d + PART_STATS)
     out, lse = poisoned(b, hq, lq, d), poisoned(b, hq, lq)
-    kernel(KernelKey("fwd_split", **tiled))(q, k, v, o_part, m_part, l_part, 0.125)
-    kernel(KernelKey("fwd_merge", **row_wise))(o_part, m_part, l_part, poisoned(hq), out, lse)
+    kernel(KernelKey("fwd_split", **tiled))(q, k, v, part, 0.125)
+    kernel(KernelKey("fwd_merge", **row_wise))(part, poisoned(hq), out, lse)
     delta, dq_part = poisoned(b, hq, lq), poisoned(ns * b, hq, lq, d)
     dq, dk, dv = poisoned(*q.shape), poisoned(*k.shape), poisoned(*v.shape)
     kernel(KernelKey("bwd_pre", **row_wise))(out, do, delta)
@@ -163,7 +182,8 @@ def test_raw_short_query_kernels_overwrite_poisoned_outputs(causal, device):
     kernel(KernelKey("dkv_packed", **tiled))(q, k, v, do, lse, delta, dk, dv, 0.125)
     if device == "cuda":
         torch.cuda.synchronize()
-    for name, t in (("o_part", o_part), ("m_part", m_part), ("l_part", l_part), ("out", out),
+    # part: outputs, max and sum (its last two columns are padding)
+    for name, t in (("part", part[..., :d + 2]), ("out", out),
                     ("lse", lse), ("dq_part", dq_part), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert not torch.isnan(t).any(), f"{name} has unwritten (NaN) elements"
     ref = attention(q, k, v, scale=0.125, is_causal=causal != "none",

@@ -62,6 +62,8 @@ def output_like(t: torch.Tensor) -> torch.Tensor:
     multiples of D, so the kernels write it as it is (:func:`readable`).
     """
     out = torch.empty_like(t, memory_format=torch.preserve_format)
+    if out.stride(-1) == 1 and out.shape[-1] * out.element_size() % VECTOR_ALIGN == 0:
+        return out  # dense, rows innermost: every other stride a multiple of a row
     return out if _rows_aligned(out) else t.new_empty(t.shape)
 
 
@@ -73,6 +75,9 @@ def kernel_view(t: torch.Tensor) -> torch.Tensor:
     a data pointer off a 16-byte boundary (a view at an odd element offset), or a batch, head
     or row stride that is not a multiple of 16 bytes (e.g. the rows of a fused buffer of odd
     width). The copy keeps ``t``'s dimension order, so the outputs allocated from it have the
-    layout they would have had without the copy.
+    layout they would have had without the copy, and ``kernel_view(t).transpose(1, 2)`` is
+    ``kernel_view(t.transpose(1, 2))`` (the rule does not depend on the dimension order):
+    the flash-attn door asks about the caller's ``(B, L, H, D)`` tensor, whose common form,
+    contiguous, takes the one-call test.
     """
     return t if readable(t) else output_like(t).copy_(t)

@@ -318,7 +318,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, causal, scale, transposed, *options):
-        q, k, v = (kernel_view(_swap(t, transposed)) for t in (q, k, v))
+        q, k, v = (_swap(kernel_view(t), transposed) for t in (q, k, v))
         out, lse = flash_forward(q, k, v, sinks, causal, scale, *_options(*options))
         _setup_context(ctx, (q, k, v, sinks, causal, scale, *options), (out, lse))
         ctx.transposed = transposed
@@ -330,12 +330,12 @@ class _Attention(torch.autograd.Function):
             grads = _grads(None, None, None, None, None)
         else:
             (q, k, v, out, lse, sinks), (mods, packed) = _saved(ctx)
-            dout = _swap(dout, ctx.transposed)
             if not _eager(dout, q, k):  # traced (compiled autograd): the tracer sees the op
-                grads = _backward(ctx, dout, _dlse)
+                grads = _backward(ctx, _swap(dout, ctx.transposed), _dlse)
             else:
-                grads = _grads(*flash_backward(kernel_view(dout), q, k, v, out, lse, sinks,
-                                               ctx.causal, ctx.scale, mods, packed), sinks)
+                grads = _grads(*flash_backward(_swap(kernel_view(dout), ctx.transposed), q, k,
+                                               v, out, lse, sinks, ctx.causal, ctx.scale, mods,
+                                               packed), sinks)
             grads = (*(_swap(g, ctx.transposed) for g in grads[:3]), *grads[3:])
         return (*grads[:6], None, *grads[6:])  # no gradient for ``transposed`` either
 
@@ -355,11 +355,11 @@ def forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = NO_MODS
             or (sinks is not None and sinks.requires_grad)):
         return _Attention.apply(q, k, v, sinks, causal, scale, transposed,
                                 *_values(mods, packed))
-    q, k, v = (_swap(t, transposed) for t in (q, k, v))
-    if eager:
-        out, lse = flash_forward(kernel_view(q), kernel_view(k), kernel_view(v), sinks, causal,
-                                 scale, mods, packed)
+    if eager:  # (kernel_view before the swap: the caller's tensor is the contiguous one)
+        q, k, v = (_swap(kernel_view(t), transposed) for t in (q, k, v))
+        out, lse = flash_forward(q, k, v, sinks, causal, scale, mods, packed)
     else:
+        q, k, v = (_swap(t, transposed) for t in (q, k, v))
         out, lse = _fwd_op(q, k, v, sinks, causal, scale, *_values(mods, packed))
     return _swap(out, transposed), lse
 

@@ -17,6 +17,13 @@ the factories for tiles of this many rows; the binding sizes its key splits by i
 (``tvm_flash.plan.num_splits``). Here, with the ops, so that the binding reads it without
 importing the schedules (loading runs no build code)."""
 
+PART_STATS = 4
+"""Columns a short-query forward's partial row (``fwd_split``'s ``Part``, float32 ``(splits
+* B, Hq, Lq, D + PART_STATS)``) has after its D unnormalised outputs: the split's running max
+(base 2) at D, its sum at D + 1, and two of padding, so that rows stay 16-byte multiples for
+vector loads. One workspace, not three: on the H200's host a decode step's allocations are
+several microseconds each."""
+
 
 @dataclasses.dataclass(frozen=True)
 class OpSpec:
@@ -91,9 +98,9 @@ SPECS = {spec.name: spec for spec in (
     # the short-query path: forward and dQ cut the keys into splits whose partial results a
     # merge kernel adds up in order; dK/dV is the tiled kernel over packed rows; ``bwd_pre``
     # is shared with the tiled path
-    OpSpec("fwd_split", "flash_fwd_split", ("Q", "K", "V", "Opart", "Mpart", "Lpart", "scale"),
+    OpSpec("fwd_split", "flash_fwd_split", ("Q", "K", "V", "Part", "scale"),
            "flash_forward_split", _TILE, packs="fwd", short_query=True, mods=True),
-    OpSpec("fwd_merge", "flash_fwd_merge", ("Opart", "Mpart", "Lpart", "Sinks", "O", "LSE"),
+    OpSpec("fwd_merge", "flash_fwd_merge", ("Part", "Sinks", "O", "LSE"),
            "flash_forward_merge", ("head_dim", "dtype", "sinks"), row_wise=True, sinks=True,
            short_query=True),
     OpSpec("dq_split", "flash_dq_split",

@@ -31,7 +31,7 @@ import torch
 from . import artifacts
 from .artifacts import kernel
 from .key import LENGTH_BUCKETS, KernelKey
-from .opspec import PACKED_ROWS
+from .opspec import PACKED_ROWS, PART_STATS
 from .target import target_tag_for_device
 
 # ------------------------------------------------------------------- short-query policy
@@ -188,10 +188,9 @@ class Plan:
         if self.short:
             split, merge = self.kernels
             splits = num_splits(q, k, PACKED_ROWS, self.units)
-            o_part, m_part, l_part = (_partials(q, splits, q.shape[3]), _partials(q, splits),
-                                      _partials(q, splits))
-            split(q, k, v, o_part, m_part, l_part, scale, *extra)
-            merge(o_part, m_part, l_part, sink_arg, out, lse)
+            part = _partials(q, splits, q.shape[3] + PART_STATS)
+            split(q, k, v, part, scale, *extra)
+            merge(part, sink_arg, out, lse)
         else:
             (fwd,) = self.kernels
             fwd(q, k, v, sink_arg, out, lse, scale, *extra)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from tvm.script import tirx as T
 
+from ..opspec import PART_STATS
 from .common import (
     LOG2E,
     MERGE_BATCH,
@@ -289,15 +290,15 @@ def flash_forward(head_dim: int, dtype: str, causal: str, group: int, tile: Tile
 
 def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile: TileConfig,
                         mods: Mods = NO_MODS):
-    """Return ``flash_fwd_split(q, k, v, o_part, m_part, l_part, scale)`` (with ``mods`` also
+    """Return ``flash_fwd_split(q, k, v, part, scale)`` (with ``mods`` also
     ``tvm_flash.opspec.MOD_ARGS``): the short-query forward's partial results, one per key
     split.
 
-    Shapes: q ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; o_part ``(NS * B, Hq, Lq, D)``,
-    m_part and l_part ``(NS * B, Hq, Lq)``, all float32, where NS (the number of key splits)
-    is read off the buffers' first dimension; split ``s`` of batch ``b`` is row ``s * B + b``.
-    ``o_part`` holds the unnormalised output, ``m_part`` the running max (base 2) and
-    ``l_part`` the sum of one split; :func:`flash_forward_merge` combines them. Sinks enter
+    Shapes: q ``(B, Hq, Lq, D)``; k, v ``(B, Hkv, Lk, D)``; part ``(NS * B, Hq, Lq, D +
+    PART_STATS)`` float32, where NS (the number of key splits) is read off its first
+    dimension; split ``s`` of batch ``b`` is row ``s * B + b``. A row of ``part`` holds the
+    split's unnormalised output, then its running max (base 2) and sum
+    (``tvm_flash.opspec.PART_STATS``); :func:`flash_forward_merge` combines them. Sinks enter
     only at the merge.
     """
     D, BQ, BK = head_dim, tile.block_q, tile.block_k
@@ -309,8 +310,8 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
 
     @T.prim_func(s_tir=True)
     def flash_fwd_split(
-        q_h: T.handle, k_h: T.handle, v_h: T.handle, o_h: T.handle, m_h: T.handle,
-        l_h: T.handle, scale: T.float32, slopes_h: T.handle, window_left: T.int64,
+        q_h: T.handle, k_h: T.handle, v_h: T.handle, part_h: T.handle,
+        scale: T.float32, slopes_h: T.handle, window_left: T.int64,
         window_right: T.int64, softcap: T.float32,
     ):
         T.func_attr({"global_symbol": "flash_fwd_split", "tirx.noalias": True})
@@ -318,9 +319,7 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
         Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=strides("q"))
         K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=strides("k"))
         V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=strides("v"))
-        Opart = T.match_buffer(o_h, (BS, Hq, Lq, D), f32)
-        Mpart = T.match_buffer(m_h, (BS, Hq, Lq), f32)
-        Lpart = T.match_buffer(l_h, (BS, Hq, Lq), f32)
+        Part = T.match_buffer(part_h, (BS, Hq, Lq, D + PART_STATS), f32)
         Slopes = T.match_buffer(slopes_h, (B, Hq), f32)
         require_aligned_rows("flash_fwd_split", Q, K, V)
         Qa = aligned_rows(Q)
@@ -346,22 +345,22 @@ def flash_forward_split(head_dim: int, dtype: str, causal: str, group: int, tile
                 attend(Qa, Ka, Va, Q, acc, m, lsum, c[0], c[1], c[2], c[3], c[4], c[5], Lq, Lk,
                        scale, ma, None, None,
                        c[0])
-                store_o("part_store", Opart, acc, vs * B + c[0], c[1], c[3], Lq, BQ, D,
+                store_o("part_store", Part, acc, vs * B + c[0], c[1], c[3], Lq, BQ, D,
                         T.float32(1), f32, rows)
                 for i in T.serial(BQ):
                     with T.sblock("stats_store"):
                         vi = T.axis.remap("S", [i])
                         if c[3] + vi < rows.count(Lq):
-                            Mpart[vs * B + c[0], rows.head(c[1], c[3] + vi, Lq),
-                                  rows.query(c[3] + vi, Lq)] = m[vi]
-                            Lpart[vs * B + c[0], rows.head(c[1], c[3] + vi, Lq),
-                                  rows.query(c[3] + vi, Lq)] = lsum[vi]
+                            Part[vs * B + c[0], rows.head(c[1], c[3] + vi, Lq),
+                                 rows.query(c[3] + vi, Lq), D] = m[vi]
+                            Part[vs * B + c[0], rows.head(c[1], c[3] + vi, Lq),
+                                 rows.query(c[3] + vi, Lq), D + 1] = lsum[vi]
 
     return trim_params(flash_fwd_split, mods)
 
 
 def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):
-    """Return ``flash_fwd_merge(o_part, m_part, l_part, sinks, o, lse)``: combine the key
+    """Return ``flash_fwd_merge(part, sinks, o, lse)``: combine the key
     splits of :func:`flash_forward_split` in split order (and the sink, if any).
 
     ``M = max(m_s, sink)``, ``w_s = exp2(m_s - M)``, ``L = sum l_s w_s (+ exp2(sink - M))``,
@@ -372,13 +371,10 @@ def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):
     f32 = "float32"
 
     @T.prim_func(s_tir=True)
-    def flash_fwd_merge(o_part_h: T.handle, m_part_h: T.handle, l_part_h: T.handle,
-                        sinks_h: T.handle, o_h: T.handle, lse_h: T.handle):
+    def flash_fwd_merge(part_h: T.handle, sinks_h: T.handle, o_h: T.handle, lse_h: T.handle):
         T.func_attr({"global_symbol": "flash_fwd_merge", "tirx.noalias": True})
         B, Hq, Lq, BS = T.int64(), T.int64(), T.int64(), T.int64()
-        Opart = T.match_buffer(o_part_h, (BS, Hq, Lq, D), f32)
-        Mpart = T.match_buffer(m_part_h, (BS, Hq, Lq), f32)
-        Lpart = T.match_buffer(l_part_h, (BS, Hq, Lq), f32)
+        Part = T.match_buffer(part_h, (BS, Hq, Lq, D + PART_STATS), f32)
         Sinks = T.match_buffer(sinks_h, (Hq,), f32)
         O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype, strides=strides("o"))
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), f32)
@@ -386,7 +382,7 @@ def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):
         for b, h, i, d in T.grid(B, Hq, Lq, D):
             with T.sblock("merge"):
                 vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, d])
-                T.reads(Opart[:, vh, vi, vd], Mpart[:, vh, vi], Lpart[:, vh, vi], Sinks[vh])
+                T.reads(Part[:, vh, vi, vd], Part[:, vh, vi, D:D + 2], Sinks[vh])
                 T.writes(O[vb, vh, vi, vd], LSE[vb, vh, vi])
                 red = T.sblock_alloc_buffer((3,), f32, scope="local")
                 c = T.sblock_alloc_buffer((5,), "int64", scope="local")
@@ -399,8 +395,8 @@ def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):
                 for so in T.serial(T.ceildiv(c[4], MERGE_BATCH)):
                     for si in T.serial(MERGE_BATCH):
                         if so * MERGE_BATCH + si < c[4]:
-                            red[0] = T.max(red[0], Mpart[(so * MERGE_BATCH + si) * B + c[0],
-                                                         c[1], c[2]])
+                            red[0] = T.max(red[0], Part[(so * MERGE_BATCH + si) * B + c[0],
+                                                        c[1], c[2], D])
                 red[1] = T.float32(0)
                 if sinks:
                     if Sinks[c[1]] != neg_inf():
@@ -411,11 +407,11 @@ def flash_forward_merge(head_dim: int, dtype: str, sinks: bool):
                         s = T.meta_var((so * MERGE_BATCH + si) * B + c[0])
                         # a split that saw no key has m = -inf and contributes nothing
                         if so * MERGE_BATCH + si < c[4]:
-                            if Mpart[s, c[1], c[2]] != neg_inf():
-                                red[1] = red[1] + Lpart[s, c[1], c[2]] * exp2_clamped(
-                                    Mpart[s, c[1], c[2]] - red[0])
-                                red[2] = red[2] + Opart[s, c[1], c[2], c[3]] * exp2_clamped(
-                                    Mpart[s, c[1], c[2]] - red[0])
+                            if Part[s, c[1], c[2], D] != neg_inf():
+                                red[1] = red[1] + Part[s, c[1], c[2], D + 1] * exp2_clamped(
+                                    Part[s, c[1], c[2], D] - red[0])
+                                red[2] = red[2] + Part[s, c[1], c[2], c[3]] * exp2_clamped(
+                                    Part[s, c[1], c[2], D] - red[0])
                 O[c[0], c[1], c[2], c[3]] = T.cast(_normalised(red[2], red[1]), dtype)
                 if c[3] == 0:
                     LSE[c[0], c[1], c[2]] = row_lse(red[0], red[1])
