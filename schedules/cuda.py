@@ -4,9 +4,10 @@ On ``sm_90a`` (Hopper with its arch-specific instructions) the fp16/bf16 forward
 head dim (32-256) runs the ``wgmma`` + TMA kernel of :mod:`.cuda_hopper`. Elsewhere fp16/bf16
 forward, dQ and dK/dV at every head dim (32-256) run the warp-level ``mma.sync`` kernels of
 :mod:`.cuda_mma` (S, P and the running sums in registers, ``cp.async`` double buffering; above
-D = 128 one m-tile per warp and dK/dV split over two warps per key group); everything else —
-fp32, the short-query and merge kernels — is scheduled from the kernel factories by the SIMT
-GPU schedule (up to 100 KiB of dynamic shared memory per block, two blocks per SM). The
+D = 128 one m-tile per warp and dK/dV split over two warps per key group), and so do the
+short-query forward's split (plain keys) and its merge; everything else — fp32, the
+short-query dQ, its merge and the packed dK/dV — is scheduled from the kernel factories by the
+SIMT GPU schedule (up to 100 KiB of dynamic shared memory per block, two blocks per SM). The
 block-level WMMA schedule that preceded the warp-level kernels (docs/journal/perf-history.md
 v3, v4) was removed with them: on sm_80+ it no longer served any kernel.
 """

@@ -34,6 +34,12 @@ Per kernel (``W`` warps of 32 lanes and ``mt`` m-tiles, ``16 mt W`` rows per blo
 
 Registers (ptxas, sm_90; docs/journal/perf-history.md v6, v7): at most 255, a few spilled bytes
 where measured faster (see :func:`tile`).
+
+Also here: the short-query (decode) forward's split kernel (:func:`flash_forward_split`: one
+warp a block, the GQA group's packed rows as the MMA's n) and its merge
+(:func:`flash_fwd_merge`, a warp per output row), which replaced the SIMT schedule's on
+fp16/bf16 (decode, B 1, Hq 32, Hkv 8, Lk 4096, D 128 on the H200: 49 µs of kernels a call ->
+12, docs/journal/2026-12-02-host-path.md).
 """
 
 from __future__ import annotations
@@ -160,10 +166,10 @@ class MmaTile:
 
 
 def writes(key: KernelKey) -> bool:
-    """Whether this module has a kernel for ``key``: fwd/dq/dkv/bwd_pre and the short-query
-    forward's split (:data:`SPLIT_OP`, without score modifiers), fp16/bf16, D in HEAD_DIMS,
-    sm_80+; forward, dQ and dK/dV also with score modifiers (``tvm_flash.key.MODS``) and for
-    packed sequences (``varlen``)."""
+    """Whether this module has a kernel for ``key``: fwd/dq/dkv, the row-wise bwd_pre and
+    fwd_merge, and the short-query forward's split (:data:`SPLIT_OP`, without score
+    modifiers), fp16/bf16, D in HEAD_DIMS, sm_80+; forward, dQ and dK/dV also with score
+    modifiers (``tvm_flash.key.MODS``) and for packed sequences (``varlen``)."""
     # "90a": Hopper with its arch-specific instructions, still an sm_90 for mma.sync
     arch = key.target[len("cuda-sm_"):].removesuffix("a") if key.target.startswith(
         "cuda-sm_") else ""

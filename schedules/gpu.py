@@ -7,9 +7,10 @@ micro-tile of its output; row statistics (max, sum, LSE, Delta) sit in shared me
 thread per row. The tile is the largest candidate whose on-chip footprint fits the target's
 budget; a kernel that fits none is refused with the bytes it would need.
 
-On CUDA, fp16/bf16 forward, dQ and dK/dV run warp-level tensor-core kernels instead
-(``cuda_mma``); this schedule serves the rest there (fp32, head dims above 128, the short-query
-and merge kernels) and every Metal kernel.
+On CUDA, fp16/bf16 forward, dQ and dK/dV and the short-query forward's split and merge run
+warp-level tensor-core kernels instead (``cuda_mma``); this schedule serves the rest there
+(fp32, the short-query dQ and its merge, the packed dK/dV, a split with score modifiers) and
+every Metal kernel.
 """
 
 from __future__ import annotations

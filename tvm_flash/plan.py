@@ -39,14 +39,17 @@ from .target import target_tag_for_device
 SHORT_QUERY_MAX = 12
 """Query lengths up to this take the short-query ("vector") kernels: tiles pack the queries
 of a GQA group (``PACKED_ROWS`` rows) and the keys are split over blocks. Longer ones take the
-tiled kernels. Set from the H200 crossover (docs/perf.md, "Short queries"): the short path is
->= 2x faster through Lq = 12 at batch 1 and 8, and only breaks even with the tiled kernels at
-Lq = 16."""
+tiled kernels. Set from the H200 crossover (docs/perf.md, "Short queries"): the short path
+was >= 2x faster through Lq = 12 at batch 1 and 8 (SIMT split), and only broke even with the
+tiled kernels at Lq = 16; with the warp-level split (fp16/bf16, sm_80+) it is 1.5-2.1x faster
+at Lq 12 (decode-h200-v1.json, bench_decode)."""
 KEYS_PER_SPLIT_MIN = 128
 """A key split is never shorter than this (fewer, longer splits merge cheaper). One key tile
-of the short-query kernels: on the H200 (decode, B 1, Hq 32, Hkv 8, Lk 4096, D 128, bf16) 32
-splits of 128 keys take 31 + 18 us (split + merge kernels) where 16 of 256 took 51 + 10
-(docs/journal/2026-12-02-host-path.md); 64 was no faster."""
+of the SIMT short-query kernels: on the H200 (decode, B 1, Hq 32, Hkv 8, Lk 4096, D 128,
+bf16) 32 splits of 128 keys took 31 + 18 us (split + merge kernels) where 16 of 256 took 51 +
+10 (docs/journal/2026-12-02-host-path.md); 64 was no faster. The warp-level split and merge
+(``schedules/cuda_mma.py``) keep it: 32 splits 21 us, 64 splits 22, 16 splits 26, each the
+two kernels timed together (docs/results/decode-h200-v1.json)."""
 
 
 def is_short(lq: int) -> bool:
