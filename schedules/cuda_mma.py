@@ -54,6 +54,7 @@ from tvm_flash.kernels.common import (
     NO_MODS,
     ModArgs,
     Mods,
+    Rows,
     TileConfig,
     causal_offset,
     diagonal,
@@ -950,6 +951,7 @@ def flash_forward_split(key: KernelKey, tile: MmaTile):
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
     BK, stages = tile.step, tile.stages
     R = PACKED_ROWS
+    rows = Rows(packed=True, group=group)  # packed row p: query p % Lq of head h + p // Lq
     f = _Fragments(D, dtype, tile)
     _check_fits(key, tile)
     stride = D + ROW_PAD
@@ -994,7 +996,7 @@ def flash_forward_split(key: KernelKey, tile: MmaTile):
         Q = _vector_rows(Q_in)
         K = _vector_rows(K_in)
         V = _vector_rows(V_in)
-        nrt = T.meta_var(T.ceildiv(group * Lq, R))  # row tiles of a group
+        nrt = T.meta_var(T.ceildiv(rows.count(Lq), R))  # row tiles of a group
         nsp = T.meta_var(BS // B)  # key splits
         bx = T.launch_thread("blockIdx.x", B * Hkv * nrt * nsp)
         lane = T.launch_thread("threadIdx.x", WARP)
@@ -1035,9 +1037,10 @@ def flash_forward_split(key: KernelKey, tile: MmaTile):
             row = T.meta_var((it * WARP + lane) // (D // VEC))
             col = T.meta_var((it * WARP + lane) % (D // VEC) * VEC)
             p = T.meta_var(c[2] + row)
-            if p < group * Lq:
+            if p < rows.count(Lq):
                 for v in T.vectorized(VEC):
-                    Qs[row, col + v] = Q[c[0], c[1] * group + p // Lq, p % Lq, col + v]
+                    Qs[row, col + v] = Q[c[0], rows.head(c[1] * group, p, Lq),
+                                         rows.query(p, Lq), col + v]
             else:
                 for v in T.vectorized(VEC):
                     Qs[row, col + v] = T.cast(0, dtype)
@@ -1109,14 +1112,15 @@ def flash_forward_split(key: KernelKey, tile: MmaTile):
         # lane: head-dim rows 16 md + g (+ 8), query columns 2 t + j
         for j in T.unroll(2):
             p = T.meta_var(c[2] + t * 2 + j)
-            if p < group * Lq:
+            if p < rows.count(Lq):
+                h = T.meta_var(rows.head(c[1] * group, p, Lq))
                 for md in T.unroll(MD):
                     for r in T.unroll(2):
-                        Part[c[3] * B + c[0], c[1] * group + p // Lq, p % Lq,
-                             md * 16 + g + r * 8] = acc[md * 4 + r * 2 + j]
+                        Part[c[3] * B + c[0], h, rows.query(p, Lq), md * 16 + g + r * 8] = acc[
+                            md * 4 + r * 2 + j]
                 if g == 0:
-                    Part[c[3] * B + c[0], c[1] * group + p // Lq, p % Lq, D] = m[j]
-                    Part[c[3] * B + c[0], c[1] * group + p // Lq, p % Lq, D + 1] = lsum[j]
+                    Part[c[3] * B + c[0], h, rows.query(p, Lq), D] = m[j]
+                    Part[c[3] * B + c[0], h, rows.query(p, Lq), D + 1] = lsum[j]
 
     return flash_fwd_split
 

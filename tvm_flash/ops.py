@@ -307,6 +307,14 @@ def _swap(t, transposed: bool):
     return t.transpose(1, 2) if transposed else t
 
 
+def _kernel_side(t, transposed: bool):
+    """The caller's ``t`` as the kernels take it: :func:`kernel_view`, then :func:`_swap`.
+    Asked in that order because the caller's ``(B, L, H, D)`` tensor is the contiguous one,
+    whose test is one call (the transposed view's strides take a loop); the answer is the
+    same either way."""
+    return _swap(kernel_view(t), transposed)
+
+
 class _Attention(torch.autograd.Function):
     """The eager door: the custom op's forward and autograd formula without its wrappers.
     Saves the kernel views of q, k, v (the same tensors unless a copy was needed), so the
@@ -318,7 +326,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, causal, scale, transposed, *options):
-        q, k, v = (_swap(kernel_view(t), transposed) for t in (q, k, v))
+        q, k, v = (_kernel_side(t, transposed) for t in (q, k, v))
         out, lse = flash_forward(q, k, v, sinks, causal, scale, *_options(*options))
         _setup_context(ctx, (q, k, v, sinks, causal, scale, *options), (out, lse))
         ctx.transposed = transposed
@@ -333,9 +341,9 @@ class _Attention(torch.autograd.Function):
             if not _eager(dout, q, k):  # traced (compiled autograd): the tracer sees the op
                 grads = _backward(ctx, _swap(dout, ctx.transposed), _dlse)
             else:
-                grads = _grads(*flash_backward(_swap(kernel_view(dout), ctx.transposed), q, k,
-                                               v, out, lse, sinks, ctx.causal, ctx.scale, mods,
-                                               packed), sinks)
+                grads = _grads(*flash_backward(_kernel_side(dout, ctx.transposed), q, k, v, out,
+                                               lse, sinks, ctx.causal, ctx.scale, mods, packed),
+                               sinks)
             grads = (*(_swap(g, ctx.transposed) for g in grads[:3]), *grads[3:])
         return (*grads[:6], None, *grads[6:])  # no gradient for ``transposed`` either
 
@@ -355,8 +363,8 @@ def forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = NO_MODS
             or (sinks is not None and sinks.requires_grad)):
         return _Attention.apply(q, k, v, sinks, causal, scale, transposed,
                                 *_values(mods, packed))
-    if eager:  # (kernel_view before the swap: the caller's tensor is the contiguous one)
-        q, k, v = (_swap(kernel_view(t), transposed) for t in (q, k, v))
+    if eager:
+        q, k, v = (_kernel_side(t, transposed) for t in (q, k, v))
         out, lse = flash_forward(q, k, v, sinks, causal, scale, mods, packed)
     else:
         q, k, v = (_swap(t, transposed) for t in (q, k, v))
