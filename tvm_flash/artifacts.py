@@ -238,7 +238,14 @@ def _open(directory: pathlib.Path, entry: dict, key: KernelKey):
         module = tvm.runtime.load_module(str(path))
     else:
         module = tvm_ffi.load_module(str(path))
-    return module[key.spec.symbol]
+    entry_fn = module[key.spec.symbol]
+    if not key.target.startswith("llvm"):
+        # A GPU kernel's call only launches (microseconds, never waits for the device): keep
+        # the GIL across it, as torch's own launches do. tvm-ffi releases it by default, and
+        # each release lets another Python thread (a data loader's, autograd's) take it, to
+        # be waited for before the next launch. CPU kernels compute: they release it.
+        entry_fn.release_gil = False
+    return entry_fn
 
 
 def _from_cache(key: KernelKey):

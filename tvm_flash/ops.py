@@ -262,26 +262,34 @@ _fwd_op = torch.ops.tvm_flash.fwd.default
 _bwd_op = torch.ops.tvm_flash.bwd.default
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, sinks, causal, scale, *options = inputs
-    mods, packed = _options(*options)
-    out, lse = output
+def _save(ctx, q, k, v, out, lse, sinks, causal, scale, mods: ScoreMods,
+          packed: Packed | None, transposed: bool = False):
+    """Keep on ``ctx`` what the backward needs (:func:`_saved` gives it back): the tensors
+    through ``save_for_backward`` (autograd then refuses a backward after one was modified in
+    place), the static facts as one attribute (each attribute set on ``ctx`` costs a
+    dictionary write, ~0.25 us on a 2-core host)."""
     ctx.save_for_backward(q, k, v, out, lse, sinks, mods.alibi,
                           *((packed.cu_q, packed.cu_k) if packed else (None, None)))
-    ctx.causal, ctx.scale = causal, scale
-    ctx.window, ctx.softcap = mods.window, mods.softcap
-    ctx.max_seqlens = (packed.max_q, packed.max_k) if packed else (0, 0)
+    ctx.facts = (causal, scale, mods.window, mods.softcap,
+                 (packed.max_q, packed.max_k) if packed else (0, 0), transposed)
     ctx.mark_non_differentiable(lse)
     # lse has no gradient: without this autograd would fill a zero tensor for it every
     # backward (a launch a call), which the backward never reads
     ctx.set_materialize_grads(False)
 
 
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks, causal, scale, *options = inputs
+    _save(ctx, q, k, v, *output, sinks, causal, scale, *_options(*options))
+
+
 def _saved(ctx):
-    """What the backward needs from ``ctx``: the saved tensors and (ScoreMods, Packed)."""
+    """What :func:`_save` kept: ``(q, k, v, out, lse, sinks)``, ``(ScoreMods, Packed or
+    None)`` and ``(causal, scale, transposed)``."""
     q, k, v, out, lse, sinks, alibi, cu_q, cu_k = ctx.saved_tensors
-    return (q, k, v, out, lse, sinks), _options(*ctx.window, ctx.softcap, alibi, cu_q, cu_k,
-                                                *ctx.max_seqlens)
+    causal, scale, window, softcap, max_seqlens, transposed = ctx.facts
+    return ((q, k, v, out, lse, sinks), _options(*window, softcap, alibi, cu_q, cu_k,
+                                                 *max_seqlens), (causal, scale, transposed))
 
 
 def _grads(dq, dk, dv, dsinks, sinks):
@@ -292,8 +300,8 @@ def _grads(dq, dk, dv, dsinks, sinks):
 def _backward(ctx, dout, _dlse):
     if dout is None:  # no gradient reached out (lse has none): none for the inputs either
         return _grads(None, None, None, None, None)
-    (q, k, v, out, lse, sinks), (mods, packed) = _saved(ctx)
-    dq, dk, dv, dsinks = _bwd_op(dout, q, k, v, out, lse, sinks, ctx.causal, ctx.scale,
+    (q, k, v, out, lse, sinks), (mods, packed), (causal, scale, _) = _saved(ctx)
+    dq, dk, dv, dsinks = _bwd_op(dout, q, k, v, out, lse, sinks, causal, scale,
                                  *_values(mods, packed))
     return _grads(dq, dk, dv, dsinks, sinks)
 
@@ -322,30 +330,34 @@ class _Attention(torch.autograd.Function):
     ``(B, L, H, D)`` tensors, whose ``(B, H, L, D)`` views the kernels take — made here, so
     that autograd records this one node and not four transposes besides (each a node of its
     own in the backward: ~180 us more a call for flash_attn_func's forward and backward on the
-    H200's host, docs/journal/2026-12-02-host-path.md); gradients come back in that layout."""
+    H200's host, docs/journal/2026-12-02-host-path.md); gradients come back in that layout.
+
+    What is not a tensor arrives as one tuple, ``call = (causal, scale, transposed, mods,
+    packed)``: ``apply`` costs per argument (~3 us more for the op's 15 than for 5 on a
+    2-core host), and ``mods`` / ``packed`` carry their tensors (ALiBi slopes, cu_seqlens,
+    never differentiated) to :func:`_save`, which saves them for the backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, causal, scale, transposed, *options):
+    def forward(ctx, q, k, v, sinks, call):
+        causal, scale, transposed, mods, packed = call
         q, k, v = (_kernel_side(t, transposed) for t in (q, k, v))
-        out, lse = flash_forward(q, k, v, sinks, causal, scale, *_options(*options))
-        _setup_context(ctx, (q, k, v, sinks, causal, scale, *options), (out, lse))
-        ctx.transposed = transposed
+        out, lse = flash_forward(q, k, v, sinks, causal, scale, mods, packed)
+        _save(ctx, q, k, v, out, lse, sinks, causal, scale, mods, packed, transposed)
         return _swap(out, transposed), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        if dout is None:  # grads are not materialised (_setup_context)
-            grads = _grads(None, None, None, None, None)
+        if dout is None:  # grads are not materialised (_save)
+            return None, None, None, None, None
+        (q, k, v, out, lse, sinks), (mods, packed), (causal, scale, transposed) = _saved(ctx)
+        if not _eager(dout, q, k):  # traced (compiled autograd): the tracer sees the op
+            dq, dk, dv, dsinks = _bwd_op(_swap(dout, transposed), q, k, v, out, lse, sinks,
+                                         causal, scale, *_values(mods, packed))
         else:
-            (q, k, v, out, lse, sinks), (mods, packed) = _saved(ctx)
-            if not _eager(dout, q, k):  # traced (compiled autograd): the tracer sees the op
-                grads = _backward(ctx, _swap(dout, ctx.transposed), _dlse)
-            else:
-                grads = _grads(*flash_backward(_kernel_side(dout, ctx.transposed), q, k, v, out,
-                                               lse, sinks, ctx.causal, ctx.scale, mods, packed),
-                               sinks)
-            grads = (*(_swap(g, ctx.transposed) for g in grads[:3]), *grads[3:])
-        return (*grads[:6], None, *grads[6:])  # no gradient for ``transposed`` either
+            dq, dk, dv, dsinks = flash_backward(_kernel_side(dout, transposed), q, k, v, out,
+                                                lse, sinks, causal, scale, mods, packed)
+        return (_swap(dq, transposed), _swap(dk, transposed), _swap(dv, transposed),
+                dsinks if sinks is not None else None, None)
 
 
 def forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = NO_MODS,
@@ -361,8 +373,7 @@ def forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = NO_MODS
     if eager and torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
             or (sinks is not None and sinks.requires_grad)):
-        return _Attention.apply(q, k, v, sinks, causal, scale, transposed,
-                                *_values(mods, packed))
+        return _Attention.apply(q, k, v, sinks, (causal, scale, transposed, mods, packed))
     if eager:
         q, k, v = (_kernel_side(t, transposed) for t in (q, k, v))
         out, lse = flash_forward(q, k, v, sinks, causal, scale, mods, packed)
