@@ -74,6 +74,7 @@ from tvm_flash.kernels.common import (
     ModArgs,
     Mods,
     TileConfig,
+    alibi_slope_raw,
     exp2_clamped,
     exp2_fma,
     first_key,
@@ -168,9 +169,8 @@ class HopperTile:
       A padding keeps the stores' addresses affine (a swizzle of the chunks cost ptxas 28
       more bytes of spill for its per-chunk address arithmetic).
     * ``tanh`` (keys with a soft cap): the form of the cap's tanh
-      (``kernels.common.TANH_FORMS``); not a tuning variant (it changes the results), to be
-      taken only where it measures within the error bounds and faster
-      (docs/journal/2026-12-01-features.md).
+      (``kernels.common.TANH_FORMS``); not a tuning variant (it changes the results): every
+      soft-capped key takes :data:`SOFTCAP_TANH` (:func:`tile`).
     * ``clamp``: the softmax's exponent clamped at 0 (``exp2_clamped``) or not — a score is at
       most its row's max (or the LSE), so the argument is above 0 only by a rounding and P at
       most 1 + 2^-23; +inf LSE still gives 0. Every default is off (:func:`tile`). dQ and
@@ -323,12 +323,26 @@ docs/results/hopper-sweeps-v8.json). 16 MiB lost at N 1024, where such a group (
 tiles at D 128) is under two waves of 132 SMs; larger head dims were not measured."""
 
 
+SOFTCAP_TANH = "approx"
+"""The form of a soft cap's tanh in these kernels (``HopperTile.tanh``): the hardware's
+``tanh.approx.f32``, one MUFU operation a score where the exp2 form takes two (the
+exponential and the division's reciprocal). Its relative error, about 2^-11, moves a score
+capped at 50 by up to 0.025: below half an fp16 ulp of such a score (0.03) and far below a
+bf16 one, the precisions these kernels take (float32 runs the SIMT schedule, which keeps the
+float32-accurate form). H200, bf16, the kernels alone, D 128 causal N 4096 / 16384: ÷ the
+plain kernel forward 1.33-1.43 -> 1.24-1.25, dQ 1.35-1.37 -> 1.17-1.18, dK/dV 1.28-1.38 ->
+1.20-1.25 (docs/journal/2026-12-01-features.md); within the error bounds of
+tests/test_score_mods.py (caps 0.5, 5, 30 and 50 on scores up to ~100) on the H200."""
+
+
 def tile(key: KernelKey) -> HopperTile:
     """The default tile of ``key`` (:func:`_tile`), its causal blocks grouped for the L2
     (:data:`L2_GROUP_BYTES`) where they are dense, without a window and D <= 128 (a window
     bounds the keys a tile streams anyway, and the grouped order cost the windowed causal
     forward at D 128 4 bytes of spill: ptxas)."""
     chosen = _tile(key)
+    if key.softcap:
+        chosen = dataclasses.replace(chosen, tanh=SOFTCAP_TANH)
     if key.causal != "none" and not (key.varlen or key.window) and key.head_dim <= 128:
         return dataclasses.replace(chosen, l2_bytes=L2_GROUP_BYTES)
     return chosen
@@ -597,6 +611,25 @@ def _sm_count(persistent: bool):
             if persistent else T.int32(0))
 
 
+def _score(s, scale, mods: Mods, ma, causal: str, row, col, Lq, Lk, offset, unit: float,
+           scaled: bool = True):
+    """Element ``s``'s modified score (``common.modified_score``; the slope in
+    ``ma.slopes[0, 0]``) in ``unit``s (``LOG2E``: an exp2's argument). ALiBi without a soft
+    cap takes the raw form (the slope register holds ``slope / scale``:
+    ``alibi_slope_raw``), times ``scale * unit`` unless ``scaled`` is off (the forward scales
+    it with the plain scores' factor): an add and an FFMA a score where the scaled form took
+    a multiply, an add and an FFMA."""
+    if mods.alibi and not mods.softcap:
+        raw = modified_score(s, scale, mods, ma, causal, 0, 0, row, col, Lq, Lk, offset,
+                             raw=True)
+        return raw * (scale * T.float32(unit)) if scaled else raw
+    if scaled:
+        return modified_score(s, scale, mods, ma, causal, 0, 0, row, col, Lq, Lk, offset,
+                              unit=unit)
+    return modified_score(s, scale, mods, ma, causal, 0, 0, row, col, Lq, Lk,
+                          offset) * T.float32(unit)
+
+
 PERSISTENT_MAX_WINDOW = 2048
 """Under a sliding window a persistent forward (or dQ) stays one block per SM while a tile
 walks at most this many keys (:func:`_few_keys`): every tile but the first few walks about the
@@ -777,7 +810,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     measured on top of this and dropped: 0-3% slower at D 64-256 (the journal)."""
     D, dtype, causal, sinks, group = key.head_dim, key.dtype, key.causal, key.sinks, key.group
     mods = Mods(key.window, key.softcap, key.alibi, tile.tanh)
-    rescored = mods.softcap or mods.alibi  # scores rewritten in base 2 before the softmax
+    # scores rewritten before the softmax: in base 2 under a soft cap; ALiBi alone in the raw
+    # score's units (modified_score's raw form), scaled as a plain score
+    rescored = mods.softcap or mods.alibi
     varlen = key.varlen  # packed sequences (``tvm_flash.kernels.forward.flash_forward``)
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
@@ -854,9 +889,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EK + g % ST]))
         if rescored:
             for i in T.unroll(NS * 4):
-                s[i] = modified_score(s[i], scale, mods, ma, causal, 0, 0,
-                                      row + i % 4 // 2 * 8, k0 + lane % 4 * 2, Lq, Lk,
-                                      -(i // 4 * 8 + i % 2)) * T.float32(LOG2E)
+                s[i] = _score(s[i], scale, mods, ma, causal, row + i % 4 // 2 * 8,
+                              k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2), LOG2E,
+                              scaled=False)
         if _mask_needed(causal, c[3], BM, k0, BK, Lk, Lq, Lk, mods=mods, ma=ma):
             for i in T.unroll(NS * 4):
                 if not visible(causal, row + i % 4 // 2 * 8,
@@ -1009,7 +1044,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             cw = T.meta_var(tx // WG - 1)  # consumer warpgroup
             lane = T.meta_var(tx % 32)
             row = T.meta_var(c[3] + cw * 64 + tx % WG // 32 * 16 + lane // 4)  # + 8 r
-            scale2 = T.meta_var(T.float32(1) if rescored else scale * T.float32(LOG2E))
+            scale2 = T.meta_var(T.float32(1) if mods.softcap else scale * T.float32(LOG2E))
             if mods.alibi:  # the query tile's slope (its head's), as ModArgs.slopes[0, 0]
                 sl = T.alloc_buffer((1, 1), F32, scope="local")
             ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
@@ -1021,7 +1056,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                 locate(c, _snake(it, bx, grid, tile.persistent), nqt, heads, Hq, Lq, Lk, ma,
                        sq if varlen else None, CuQ, CuK)
                 if mods.alibi:
-                    sl[0, 0] = Slopes[sq[4] if varlen else c[0], c[1]]
+                    sl[0, 0] = alibi_slope_raw(mods, Slopes[sq[4] if varlen else c[0], c[1]],
+                                                scale)
                 for i in T.unroll(NO * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(2):
@@ -1291,9 +1327,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         """P of element ``i`` of a complete S (``_prob`` unguarded) of its modified score
         (``s * scale`` itself without a soft cap or ALiBi; ``ma.slopes[0, 0]``: the tile's
         slope)."""
-        score = modified_score(s[i], scale, mods, ma, causal, 0, 0, row + i % 4 // 2 * 8,
-                               k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2),
-                               unit=1.0 if tile.clamp else LOG2E)
+        score = _score(s[i], scale, mods, ma, causal, row + i % 4 // 2 * 8, k0 + lane % 4 * 2,
+                       Lq, Lk, -(i // 4 * 8 + i % 2), 1.0 if tile.clamp else LOG2E)
         if not tile.clamp:  # the LSE in base 2 (scaled where loaded): one FFMA a score
             return T.exp2(score - lse[i % 4 // 2])
         return exp2_clamped((score - lse[i % 4 // 2]) * T.float32(LOG2E))
@@ -1490,7 +1525,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                 locate(c, _snake(it, bx, grid, tile.persistent), nqt, heads, Hq, Lq, Lk, ma,
                        sq if varlen else None, CuQ, CuK)
                 if mods.alibi:
-                    sl[0, 0] = Slopes[sq[4] if varlen else c[0], c[1]]
+                    sl[0, 0] = alibi_slope_raw(mods, Slopes[sq[4] if varlen else c[0], c[1]],
+                                                scale)
                 for i in T.unroll(NO * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(2):
@@ -1613,9 +1649,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         slope); its LSE from the stage, or from ``sr`` (``tile.stats_early``)."""
         lse = (sr[e // 4 * 2 + e % 2] if sr is not None
                else stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2])
-        score = modified_score(st[e], scale, mods, ma, causal, 0, 0, q0 + lane % 4 * 2,
-                               key_row, Lq, Lk, e // 4 * 8 + e % 2 - e % 4 // 2 * 8,
-                               unit=1.0 if tile.clamp else LOG2E)
+        score = _score(st[e], scale, mods, ma, causal, q0 + lane % 4 * 2, key_row, Lq, Lk,
+                       e // 4 * 8 + e % 2 - e % 4 // 2 * 8, 1.0 if tile.clamp else LOG2E)
         if not tile.clamp:  # the LSE in base 2 (stat_row): one FFMA a score
             return T.exp2(score - lse)
         return exp2_clamped((score - lse) * T.float32(LOG2E))
@@ -2255,7 +2290,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                         first(w, c, lq)
                         for i in T.serial(c[5]):
                             if mods.alibi:
-                                sl[0, 0] = Slopes[sq[4] if varlen else c[0], w[1]]
+                                sl[0, 0] = alibi_slope_raw(
+                                    mods, Slopes[sq[4] if varlen else c[0], w[1]], scale)
                             step_dv(st, p, pw, dv, Qs, dOs, stats, slots, bars, ka, bq, bdot, i,
                                     w[0], key_row, row0, lane, tx % WG, scale, lq, lk, ma)
                             advance(w, c, lq)
@@ -2285,7 +2321,8 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
                 first(w, c, lq)
                 for i in T.serial(c[5]):
                     if mods.alibi:
-                        sl[0, 0] = Slopes[sq[4] if varlen else c[0], w[1]]
+                        sl[0, 0] = alibi_slope_raw(mods, Slopes[sq[4] if varlen else c[0], w[1]],
+                                                    scale)
                     step(st, dpt, p, pw, ds, dsw, dk, dv, Qs, dOs, stats, bars, ka, va, bq, bdo,
                          bqt, bdot, i, w[0], key_row, row0, lane, scale, lq, lk, ma,
                          sc if mods.softcap else None, sr if tile.stats_early else None)

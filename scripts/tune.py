@@ -27,6 +27,7 @@ continues where it stopped.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import itertools
 import os
 import pathlib
@@ -71,6 +72,9 @@ def main(argv=None) -> int:
                    help="comma list of length buckets: 0 (every length) and/or "
                         f"{', '.join(map(str, LENGTH_BUCKETS))} (calls whose longest sequence "
                         "is that short get their own build, tuned at that length)")
+    p.add_argument("--exclude", default="",
+                   help="comma list of kernel-key name patterns (fnmatch) to leave out, e.g. "
+                        "a log removed on purpose: 'dq-d128-*-g1-cuda-sm_90a'")
     p.add_argument("--trials", type=int, default=256, help="measured candidates per kernel")
     p.add_argument("--max-tiles", type=int, default=2,
                    help="how many of the largest fitting tiles to search (trials split evenly)")
@@ -99,6 +103,8 @@ def main(argv=None) -> int:
                     _csv(args.dtypes), _csv(args.causal), _csv(args.gqa, int))]
     except (ValueError, KeyError) as err:
         p.error(str(err))
+    patterns = _csv(args.exclude)
+    keys = [k for k in keys if not any(fnmatch.fnmatchcase(k.name, pat) for pat in patterns)]
     if args.jobs < 1:
         p.error("--jobs must be at least 1")
     # keys MetaSchedule's own search tunes: it times inside tune(), outside --jobs' lock and
@@ -110,13 +116,24 @@ def main(argv=None) -> int:
     if args.flush_l2 and not args.dry_run and factory:
         p.error(f"--flush-l2 times variant kernels only; {factory[0]} is searched by "
                 "MetaSchedule's tuner")
+    if args.worker is None and not args.dry_run:
+        # variant logs already complete are left out here, once, so that --jobs shares out
+        # only the kernels still to tune
+        done = [k for k in keys if schedules.lowers(target_kind(k.target), k)
+                and schedules.variants(target_kind(k.target), k)
+                and tuning.variants_tuned(args.logs, k, args.trials) is not None]
+        for k in done:
+            print(f"{k.name}: already tuned, kept", flush=True)
+        keys = [k for k in keys if k not in done]
     if args.jobs > 1 and args.worker is None:
-        return _spawn(argv if argv is not None else sys.argv[1:], args.jobs)
+        return _spawn(argv if argv is not None else sys.argv[1:], args.jobs,
+                      [k.name for k in keys])
     lock, prefix = None, ""
     if args.worker is not None:
         share, lock = args.worker.split(",", 1)
         index, count = map(int, share.split("/"))
-        keys = keys[index::count]
+        chosen = pathlib.Path(lock).with_name(KEYS_FILE).read_text().split()
+        keys = [k for k in keys if k.name in chosen][index::count]
         prefix = f"[worker {index}] "
     start = time.time()
     for i, key in enumerate(keys, 1):
@@ -144,12 +161,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def _spawn(argv: list[str], jobs: int) -> int:
-    """Run ``jobs`` tuning processes over the kernels (every ``jobs``-th each), sharing one
-    lock file for the device, their builder processes splitting the CPUs."""
+KEYS_FILE = "keys.txt"
+"""Beside ``--jobs``' lock file: the names of the kernels the workers share out."""
+
+
+def _spawn(argv: list[str], jobs: int, names: list[str]) -> int:
+    """Run ``jobs`` tuning processes over the kernels ``names`` (every ``jobs``-th each),
+    sharing one lock file for the device, their builder processes splitting the CPUs."""
     builders = max(1, (os.cpu_count() or 1) // jobs)
     with tempfile.TemporaryDirectory() as tmp:
         lock = os.path.join(tmp, "device.lock")
+        pathlib.Path(tmp, KEYS_FILE).write_text("\n".join(names) + "\n")
         procs = [subprocess.Popen([sys.executable, __file__, *argv,
                                    "--worker", f"{i}/{jobs},{lock}",
                                    "--build-workers", str(builders)])

@@ -375,6 +375,26 @@ def test_backward_probabilities_in_one_ffma(op, mods):
     assert src.count("condval") < base.count("condval") or src.count("?") < base.count("?")
 
 
+@pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
+def test_alibi_alone_biases_the_raw_score(op):
+    """ALiBi without a soft cap (``common.modified_score(raw=True)``): the slope register
+    holds ``slope / scale`` and the bias is taken from the raw score, which is then scaled
+    as a plain one — the forward's exp2 argument keeps the plain ``scale * log2 e`` factor,
+    the backward's P one FFMA after it; under a causal mask no absolute value (every
+    visible distance is >= 0); with a soft cap the scaled form stays."""
+    for causal, abs_count in (("top-left", 0), ("none", None)):
+        key = KernelKey(op, 128, "bfloat16", causal, 1, "cuda-sm_90a", alibi=True)
+        src = _source(key)
+        assert "(1.000000e+00f / scale)" in src or "0x1p+0f/*1.000000e+00*/ / scale)" in src
+        fabs = src.count("fabsf(")
+        assert fabs == 0 if abs_count == 0 else fabs >= 16
+        if op == "fwd":
+            assert "exp2f(((s_ptr[0] * (scale * 0x1.71547652b82fep+0f" in src
+    capped = _source(KernelKey(op, 128, "bfloat16", "top-left", 1, "cuda-sm_90a",
+                               softcap=True, alibi=True))
+    assert "/ scale)" not in capped and capped.count("fabsf(") >= 16
+
+
 def test_dkv_probabilities_converted_once():
     """``HopperTile(p_once=True)`` (the default of every dK/dV tile but the split one): P^T
     goes to the input dtype once, into the words dV's product reads, and dS^T widens those
@@ -520,17 +540,16 @@ def test_rescored_forward_and_dq_tiles():
 
 @pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
 def test_tanh_forms_of_the_soft_cap(op):
-    """``HopperTile(tanh="approx")`` (a soft cap's variant: faster on the H200, not served for
-    its 2^-11 error, docs/journal/2026-12-01-features.md) computes the cap's tanh with
-    ``tanhf`` — one ``tanh.approx.f32`` under nvcc's fast math — instead of the default's exp2
-    and division; ``fma`` and ``rcp`` move the exponential or the division's reciprocal to the
-    FMA pipe (variants, each value bound once: every op lowers them, dQ and dK/dV also in
-    ``1 - tanh^2``); keys without a soft cap refuse them."""
+    """A soft-capped key takes ``tanh.approx.f32`` (``cuda_hopper.SOFTCAP_TANH``): ``tanhf``,
+    one such instruction under nvcc's fast math, where the exp2 form (``tanh="exp2"``, the
+    float32-accurate one the other families use) takes an exp2 and a division; ``fma`` and
+    ``rcp`` move the exponential or the division's reciprocal to the FMA pipe (variants, each
+    value bound once: every op lowers them, dQ and dK/dV also in ``1 - tanh^2``); keys without
+    a soft cap refuse them."""
     key = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a", softcap=True)
-    default = hopper.tile(key)
-    assert default.tanh == "exp2"
-    accurate = _source(key)
-    src = _variant_source(key, tanh="approx")
+    assert hopper.tile(key).tanh == hopper.SOFTCAP_TANH == "approx"
+    src = _source(key)
+    accurate = _variant_source(key, tanh="exp2")
     assert len(re.findall(r"\btanhf\(", src)) >= 16 and not re.findall(r"\btanhf\(", accurate)
     assert src.count("exp2f(") < accurate.count("exp2f(")
     division = "/*2.000000e+00*/ / (exp2f("
@@ -558,7 +577,7 @@ def test_forward_exponentials_on_the_fma_pipe():
     assert src.count("float e2_x") == 32 and src.count("0x1.fcp+6f") == 32 * 4  # one clamp each
     capped = KernelKey("fwd", 128, "bfloat16", "top-left", 1, "cuda-sm_90a", softcap=True)
     assert (_variant_source(capped, tanh="fma").count("exp2f(")
-            == _source(capped).count("exp2f(") - 128)
+            == _variant_source(capped, tanh="exp2").count("exp2f(") - 128)
     bad = KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a")
     with pytest.raises(ValueError, match="exp2_fma"):
         hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), exp2_fma=2))

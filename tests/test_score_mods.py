@@ -64,9 +64,9 @@ def test_softcap(dtype, causal, cap, lq, lk, device):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_softcap_large_scores(dtype, causal, device):
     """Gemma 2's cap of 50 on scores up to ~100 (q scaled by 20): most scores in tanh's bend
-    or near saturation, where a tanh's relative error costs the most absolute error (the
-    hardware's ``tanh.approx.f32``, a Hopper variant, would move a capped score by up to
-    50 * 2^-11)."""
+    or near saturation, where an approximate tanh's relative error costs the most absolute
+    error (the Hopper kernels compute the cap's tanh with ``tanh.approx.f32``: a capped score
+    off by up to 50 * 2^-11; ``cuda_hopper.SOFTCAP_TANH``)."""
     q, k, v, do = make_inputs(2, 4, 2, 97, 130, 64, dtype, device)
     check_against_reference(q * 20, k, v, do, causal, softcap=50.0)
 

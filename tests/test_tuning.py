@@ -339,6 +339,23 @@ def test_hopper_variants_dry_run():
     assert "[worker 0]" in res.stdout and "[worker 1]" in res.stdout
 
 
+def test_tuned_and_excluded_kernels_are_left_out_before_sharing():
+    """`tune.py` leaves out, before it shares kernels among `--jobs` workers, those whose
+    variant log is complete (the committed H200 logs) and those `--exclude` names; with
+    nothing left the workers time nothing (no GPU needed)."""
+    logged = KernelKey("dkv", 64, "bfloat16", "none", 1, "cuda-sm_90a")
+    assert tuning.variants_tuned(ROOT / "tuning_logs", logged, 8) is not None
+    assert tuning.variants_tuned(ROOT / "tuning_logs", logged, 10**6) is None  # wants more
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "tune.py"), "--target",
+                          "cuda:sm_90a", "--kernels", "dkv,dq", "--head-dims", "64",
+                          "--dtypes", "bf16", "--causal", "none,top-left", "--trials", "8",
+                          "--jobs", "2", "--exclude", "dq-*"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("already tuned, kept") == 2 and "dq-" not in res.stdout
+    assert "[1/" not in res.stdout and res.stdout.count("done in") == 2
+
+
 def test_parallel_tuning_refuses_factory_kernels():
     """`tune.py --jobs` serializes the timing of variant kernels; MetaSchedule's own search
     (the factory kernels) times on its own, so it is refused rather than measured in parallel."""

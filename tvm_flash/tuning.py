@@ -585,7 +585,7 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
     found = schedules.variants(kind, key)
     target = tuning_target(key.target)
     directory = log_dir(root, key)
-    done = _finished(directory, key, min(trials, len(found)))
+    done = variants_tuned(root, key, trials)
     if done is not None:
         log(f"{key.name}: already tuned ({done['measured']} measured), kept")
         return done
@@ -708,6 +708,14 @@ def tune_variants(key: KernelKey, root: str | os.PathLike, trials: int, *, keep_
         f"{summary['default_us']:.0f}) of {len(measured)} measured; xgboost ranking "
         f"{ranking}")
     return summary
+
+
+def variants_tuned(root: str | os.PathLike, key: KernelKey, trials: int) -> dict | None:
+    """The summary of ``key``'s variant log under ``root`` if it is complete for ``trials``
+    measurements (or every variant), else None: what :func:`tune_variants` would keep as it
+    is. ``scripts/tune.py`` leaves such keys out before it shares the rest among workers."""
+    found = schedules.variants(target_kind(key.target), key)
+    return _finished(log_dir(root, key), key, min(trials, len(found)))
 
 
 def _finished(directory: pathlib.Path, key: KernelKey, wanted: int) -> dict | None:

@@ -274,7 +274,7 @@ def tanh(x, form: str = "exp2"):
 
 
 def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk,
-                   offset=0, unit: float = 1.0):
+                   offset=0, unit: float = 1.0, raw: bool = False):
     """The scaled score ``s * scale`` (natural-log units) with ``mods``' soft cap and ALiBi
     bias (:data:`tvm_flash.key.MODS`); ``h``: the query head (its slope). ``offset``: a
     constant added to the query's distance from the key, ``row + diagonal - col``: a kernel
@@ -283,20 +283,46 @@ def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk
     float once per row instead of once per element (int64 to float32 conversions run at a
     sixteenth of the FMA rate). ``unit``: the result times this (``LOG2E``: base 2, an exp2's
     argument), folded into the scale, cap and slope, which a kernel computes once, instead
-    of one more multiply a score."""
+    of one more multiply a score.
+
+    ``raw`` (ALiBi without a soft cap): ``ma.slopes`` holds ``slope / scale``
+    (:func:`alibi_slope_raw`) and the result is ``s - (slope / scale) * |distance|``, the
+    biased score in the raw score's units, which the caller scales as it scales a plain
+    score — one FFMA with the exp2's argument, so the bias costs an add and an FFMA a score
+    where the scaled form takes a multiply more. Under a causal mask the distance of every
+    visible key is >= 0, so its absolute value is not taken: the caller must overwrite the
+    masked elements (it does: -inf before the softmax, 0 for P), never scale them by a 0/1
+    mask. ``scale`` and ``unit`` are not used."""
 
     def times_unit(x):
         return x if unit == 1.0 else x * T.float32(unit)
 
+    def distance(signed: bool = False):
+        d = T.cast(row + diagonal(causal, lq, lk) - col, "float32")
+        if not isinstance(offset, int) or offset:  # an unrolled loop's index: a constant
+            d = d + T.cast(offset, "float32")
+        return d if signed else T.fabs(d)
+
+    if raw:
+        if mods.softcap or not mods.alibi:
+            raise ValueError("modified_score(raw=True) is ALiBi's form without a soft cap")
+        return s - ma.slopes[b, h] * distance(signed=causal != "none")
     t = s * times_unit(scale)
     if mods.softcap:
         t = tanh(s * (scale / ma.cap), mods.tanh) * times_unit(ma.cap)
     if mods.alibi:
-        distance = T.cast(row + diagonal(causal, lq, lk) - col, "float32")
-        if not isinstance(offset, int) or offset:  # an unrolled loop's index: a constant
-            distance = distance + T.cast(offset, "float32")
-        t = t - times_unit(ma.slopes[b, h]) * T.fabs(distance)
+        t = t - times_unit(ma.slopes[b, h]) * distance()
     return t
+
+
+def alibi_slope_raw(mods: Mods, slope, scale):
+    """What a kernel keeps as a query head's ALiBi slope: ``slope / scale`` where it takes
+    :func:`modified_score`'s ``raw`` form (ALiBi without a soft cap), else ``slope``. The
+    quotient is finite wherever ``slope * distance`` is in float32 for realistic scales
+    (``scale`` is a finite positive float32, ``ops`` checks; overflow needs ``|slope| >
+    2^128 * scale``)."""
+    # the reciprocal is loop-invariant: nvcc computes it once, a multiply a tile
+    return slope * (T.float32(1) / scale) if mods.alibi and not mods.softcap else slope
 
 
 def softcap_slope(s, scale, mods: Mods, ma):
