@@ -2,7 +2,7 @@
 """Sweep tiles of the warp-level ``mma.sync`` kernels (``schedules/cuda_mma.py``) on this GPU.
 
 For every head dim x dtype x causal mode x op and every candidate tile: build the kernel with
-that tile (``cuda_mma.kernel(key, tile=...)``; nvcc with ``ptxas -v``, ``--jobs`` at a time),
+that tile (``cuda_mma.kernel(key, tile=...)``; assembled as the build does, ``--jobs`` at a time),
 check it against a float64 torch reference with NaN-poisoned outputs (Lq x Lk = 97 x 97,
 1025 x 1025, 7 x 300, 300 x 7, each MHA and GQA 2:1), then time it alone at each ``--seqlens``
 N with B * N = ``--tokens`` and H = ``--hidden`` / D (MHA). Prints one table row per variant
@@ -80,10 +80,16 @@ def tile_name(t) -> str:
 
 
 def build(job: dict) -> dict:
-    """Worker: lower one (key, tile), compile it with ptxas -v; paths and figures or an error."""
+    """Worker: lower one (key, tile), assemble it as the build does (``build.assemble``);
+    paths and ptxas figures, or an error."""
     import tvm
 
-    from tvm_flash.build import compile_module, device_source  # registers tvm_flash.schedules
+    from tvm_flash.build import (  # registers tvm_flash.schedules
+        assemble,
+        compile_module,
+        device_source,
+        ptxas_figures,
+    )
     from tvm_flash.key import KernelKey
 
     cuda_mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
@@ -106,17 +112,15 @@ def build(job: dict) -> dict:
     stem = pathlib.Path(job["dir"]) / f"{key.name}-{safe}"
     built.export_library(f"{stem}.so")
     pathlib.Path(f"{stem}.cu").write_text(src)
-    res = subprocess.run(["nvcc", f"-arch={key.target[len('cuda-'):]}", "-cubin", "-Xptxas",
-                          "-v", "-o", f"{stem}.cubin", f"{stem}.cu"], capture_output=True,
-                         text=True)
-    if res.returncode:
-        out["error"] = f"nvcc failed: {res.stderr[-500:]}"
+    try:  # as scripts/build.py assembles it: TVM's nvcc flags (fast math and all)
+        binary, log = assemble(key.target, src)
+        regs, spilled = ptxas_figures(log)
+    except (RuntimeError, ValueError) as e:
+        out["error"] = f"nvcc failed: {str(e)[-500:]}"
         return out
-    regs = re.findall(r"Used (\d+) registers", res.stderr)
-    spills = re.findall(r"(\d+) bytes spill stores", res.stderr)
-    out.update(so=f"{stem}.so", cubin=f"{stem}.cubin", source_sha256=hashlib.sha256(
-        src.encode()).hexdigest(), registers=int(regs[-1]) if regs else None,
-        spill_bytes=int(spills[-1]) if spills else None)
+    pathlib.Path(f"{stem}.fatbin").write_bytes(binary)
+    out.update(so=f"{stem}.so", cubin=f"{stem}.fatbin", source_sha256=hashlib.sha256(
+        src.encode()).hexdigest(), registers=regs[-1], spill_bytes=spilled)
     return out
 
 

@@ -7,7 +7,6 @@ import itertools
 import math
 import re
 import shutil
-import subprocess
 
 import pytest
 import torch
@@ -17,7 +16,14 @@ from conftest import DEVICES
 
 from tvm_flash import KernelKey, attention, attention_reference
 from tvm_flash.artifacts import kernel
-from tvm_flash.build import compile_module, device_source, scheduled_module, schedules
+from tvm_flash.build import (
+    compile_module,
+    device_source,
+    ptxas_figures,
+    ptxas_log,
+    scheduled_module,
+    schedules,
+)
 from tvm_flash.kernels import FACTORIES, TileConfig
 from tvm_flash.key import HEAD_DIMS, MERGE_OPS, OPS
 from tvm_flash.target import make_target, target_tag_for_device
@@ -100,36 +106,31 @@ alternative (docs/journal/perf-history.md v6, v7); a fragment array pushed out t
 would spill hundreds. The D > 128 tiles spill nothing (``cuda_mma.LARGE_D_TILES``)."""
 
 
-def _ptxas_spills(src, arch, tmp_path):
-    path = tmp_path / "k.cu"
-    path.write_text(src)
-    res = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-Xptxas", "-v", "-o",
-                          str(tmp_path / "k.cubin"), str(path)], capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    spilled = [int(n) for n in re.findall(r"(\d+) bytes spill stores", res.stderr)]
-    assert spilled, res.stderr
-    return max(spilled), res.stderr
+def _ptxas_spills(src, target):
+    """Bytes ptxas spills in ``src`` assembled as ``scripts/build.py`` does
+    (``build.ptxas_log``), and its log."""
+    log = ptxas_log(target, src)
+    return ptxas_figures(log)[1], log
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
 @pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_warp_level_kernels_stay_in_registers(op, d, dtype, tmp_path):
+def test_warp_level_kernels_stay_in_registers(op, d, dtype):
     """ptxas keeps every warp-level kernel in registers but for a few bytes
     (``MAX_SPILL_BYTES``)."""
     src = device_source(compile_module(_key(op, d, dtype, "cuda-sm_90", "top-left", 1)))
-    spilled, log = _ptxas_spills(src, "sm_90", tmp_path)
+    spilled, log = _ptxas_spills(src, "cuda-sm_90")
     assert spilled <= MAX_SPILL_BYTES, log
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
 @pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
 @pytest.mark.parametrize("d,dtype,target", LARGE_D_CASES)
-def test_large_head_dim_kernels_stay_in_registers(op, d, dtype, target, tmp_path):
+def test_large_head_dim_kernels_stay_in_registers(op, d, dtype, target):
     """The D > 128 tiles assemble for their arch within the same allowance."""
-    spilled, log = _ptxas_spills(_mma_source(op, d, dtype, target, 2),
-                                 target[len("cuda-"):], tmp_path)
+    spilled, log = _ptxas_spills(_mma_source(op, d, dtype, target, 2), target)
     assert spilled <= MAX_SPILL_BYTES, log
 
 
@@ -179,10 +180,9 @@ def test_short_query_forward_is_warp_level(d, dtype, target):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
 @pytest.mark.parametrize("op", ["fwd_split", "fwd_merge"])
 @pytest.mark.parametrize("d,dtype,target", SHORT_CASES)
-def test_short_query_forward_spills_nothing(op, d, dtype, target, tmp_path):
+def test_short_query_forward_spills_nothing(op, d, dtype, target):
     """ptxas keeps the split and merge kernels in registers (``cuda_mma.SPLIT_TILE``)."""
-    spilled, log = _ptxas_spills(_short_source(op, d, dtype, target),
-                                 target[len("cuda-"):], tmp_path)
+    spilled, log = _ptxas_spills(_short_source(op, d, dtype, target), target)
     assert spilled == 0, log
 
 
