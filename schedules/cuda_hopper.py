@@ -619,15 +619,11 @@ def _score(s, scale, mods: Mods, ma, causal: str, row, col, Lq, Lk, offset, unit
     ``alibi_slope_raw``), times ``scale * unit`` unless ``scaled`` is off (the forward scales
     it with the plain scores' factor): an add and an FFMA a score where the scaled form took
     a multiply, an add and an FFMA."""
+    at = (s, scale, mods, ma, causal, 0, 0, row, col, Lq, Lk, offset)
     if mods.alibi and not mods.softcap:
-        raw = modified_score(s, scale, mods, ma, causal, 0, 0, row, col, Lq, Lk, offset,
-                             raw=True)
+        raw = modified_score(*at, raw=True)
         return raw * (scale * T.float32(unit)) if scaled else raw
-    if scaled:
-        return modified_score(s, scale, mods, ma, causal, 0, 0, row, col, Lq, Lk, offset,
-                              unit=unit)
-    return modified_score(s, scale, mods, ma, causal, 0, 0, row, col, Lq, Lk,
-                          offset) * T.float32(unit)
+    return modified_score(*at, unit=unit) if scaled else modified_score(*at) * T.float32(unit)
 
 
 PERSISTENT_MAX_WINDOW = 2048
