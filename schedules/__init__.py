@@ -66,6 +66,14 @@ def pipeline(kind: str, key) -> str:
     return (hook(key) if hook else None) or "default"
 
 
+def absorbs(kind: str, key) -> str | None:
+    """The op whose work ``key``'s kernel does too on a target kind
+    (``tvm_flash.opspec.OpSpec.absorbs``: the Hopper dQ computes ``bwd_pre``'s Delta), or
+    None. ``tvm_flash.export`` records it in the artifact, where the plan reads it."""
+    hook = getattr(for_target(kind), "absorbs", None)
+    return hook(key) if hook else None
+
+
 def lowers(kind: str, key) -> bool:
     """Whether the target kind's schedule writes ``key``'s kernel out itself (no factory, no
     tuning space)."""

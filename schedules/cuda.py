@@ -37,6 +37,11 @@ class CudaSchedule(gpu.GpuSchedule):
             return None
         return cuda_mma.kernel(key, cuda_mma.MmaTile(**variant) if variant else None)
 
+    def absorbs(self, key: KernelKey) -> str | None:
+        """The op whose work ``key``'s kernel does too: the Hopper dQ's Delta
+        (``cuda_hopper.ABSORBS``); the ``mma.sync`` and SIMT kernels do none."""
+        return cuda_hopper.ABSORBS.get(key.op) if cuda_hopper.supports(key) else None
+
     def variant(self, key: KernelKey, fields: dict) -> dict:
         """A variant's fields as :meth:`variants` lists them today: fields a tile gained after
         a tuning log was written take their defaults (the kernel the log measured)."""

@@ -98,6 +98,7 @@ from .cuda_mma import (
     _row_tree,
     pin_sequence,
     pos_inf,
+    widen_half,
 )
 
 F32 = "float32"
@@ -1254,8 +1255,15 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
 
 
 def flash_dq(key: KernelKey, tile: HopperTile):
-    """``flash_dq(q, k, v, do, lse, delta, dq, scale)``: a block owns ``tile.rows`` query rows
-    (64 per consumer warpgroup) of one query head and walks the key tiles its rows see.
+    """``flash_dq(q, k, v, do, lse, o, delta, dq, scale)``: a block owns ``tile.rows`` query
+    rows (64 per consumer warpgroup) of one query head and walks the key tiles its rows see.
+
+    It also computes Delta = rowsum(dO * O) of its rows and writes it (``bwd_pre``'s work,
+    absorbed: :data:`ABSORBS`): each consumer thread reduces its two rows in the layout its
+    LSE and Delta are read in, four lanes a row, 16-byte loads of O and dO issued before the
+    first product and summed in float32, then two shuffles; a quad's first lane writes the
+    row's Delta, which dK/dV (launched after this kernel) reads. It runs while the producer's
+    loads of Q, dO and the first key tiles are in flight.
 
     The producer loads the Q and dO tiles once and K_j and V_j (``tile.step`` keys) into a ring
     of ``tile.stages`` stages, one "full" and one "empty" mbarrier per stage. Consumer step
@@ -1295,6 +1303,10 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     pool_bytes = bar_off + 8 * NB
     kt_ldo, kt_sdo = BK * ROW, 8 * ROW  # K read MN-major (dQ += dS K), as V in the forward
     regs_consumer = consumer_regs(NC)
+    # Delta's 16-byte loads of O and of dO in flight at once per lane, a divisor of the row's
+    # D / 32 (D 160 and 224: 5 and 7, one at a time): all of a row's up to D 128, at most 4
+    # above (32 registers of each; ptxas spills the same with 1 to 8 at D 256)
+    DW = max(w for w in range(1, 5) if D // 32 % w == 0)
 
     @T.macro
     def issue(s, dp, dsw, acc, Ks, Vs, bars, dqa, doa, dk, dv, dkt, js, jd, do_sd: bool,
@@ -1381,7 +1393,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
 
     @T.prim_func
     def flash_dq(q_h: T.handle, k_h: T.handle, v_h: T.handle, do_h: T.handle, lse_h: T.handle,
-                 delta_h: T.handle, dq_h: T.handle, scale: T.float32, slopes_h: T.handle,
+                 o_h: T.handle, delta_h: T.handle, dq_h: T.handle, scale: T.float32,
+                 slopes_h: T.handle,
                  window_left: T.int64, window_right: T.int64, softcap: T.float32,
                  cuq_h: T.handle, cuk_h: T.handle, max_seqlen_q: T.int64,
                  max_seqlen_k: T.int64):
@@ -1389,19 +1402,20 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         B, Hq, Hkv, Lq, Lk = T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         qb, qh, ql, kb, kh, kl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         vb, vh, vl, ob, oh, ol = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        gb, gh, gl = T.int64(), T.int64(), T.int64()
+        gb, gh, gl, pb, ph, pl = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
         Q = T.match_buffer(q_h, (B, Hq, Lq, D), dtype, strides=(qb, qh, ql, 1), align=16)
         K = T.match_buffer(k_h, (B, Hkv, Lk, D), dtype, strides=(kb, kh, kl, 1), align=16)
         V = T.match_buffer(v_h, (B, Hkv, Lk, D), dtype, strides=(vb, vh, vl, 1), align=16)
         dO = T.match_buffer(do_h, (B, Hq, Lq, D), dtype, strides=(gb, gh, gl, 1), align=16)
         LSE = T.match_buffer(lse_h, (B, Hq, Lq), F32)
+        O = T.match_buffer(o_h, (B, Hq, Lq, D), dtype, strides=(pb, ph, pl, 1), align=16)
         Delta = T.match_buffer(delta_h, (B, Hq, Lq), F32)
         dQ = T.match_buffer(dq_h, (B, Hq, Lq, D), dtype, strides=(ob, oh, ol, 1), align=16)
         NS1, NSL = T.int64(), T.int64()
         Slopes = T.match_buffer(slopes_h, (NSL if varlen else B, Hq), F32)
         CuQ = T.match_buffer(cuq_h, (NS1,), "int32")
         CuK = T.match_buffer(cuk_h, (NS1,), "int32")
-        _require_vector_rows("flash_dq", Q, K, V, dO, dQ)
+        _require_vector_rows("flash_dq", Q, K, V, dO, O, dQ)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
         domap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -1433,6 +1447,10 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         bars = T.decl_buffer((NB,), "uint64", data=pool.data, elem_offset=bar_off // 8,
                              scope="shared.dyn")
         dQf = T.decl_buffer((B * ob,), dtype, data=dQ.data)
+        # O and dO as flat 32-bit words (a 4-D view's strides are lost in this pipeline, as
+        # dQf's would be), indexed at strides visibly multiples of 4 words: 16-byte loads
+        Ow = T.decl_buffer((B * pb // 2,), "uint32", data=O.data)
+        dOw = T.decl_buffer((B * gb // 2,), "uint32", data=dO.data)
         # b, h, kv head, q0, key tiles of the row tile; ring slots used by the ones before
         c = T.alloc_buffer((7 if mods.window else 6,), "int64", scope="local")
         if varlen:  # the tile's sequence: first q row, length, first k row, length, index
@@ -1499,6 +1517,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
             acc = T.alloc_buffer((NO * 4,), F32, scope="local")
             lse = T.alloc_buffer((2,), F32, scope="local")
             delta = T.alloc_buffer((2,), F32, scope="local")
+            ow = T.alloc_buffer((DW * 4,), "uint32", scope="local")  # words of O, dO
+            dow = T.alloc_buffer((DW * 4,), "uint32", scope="local")
             dqa = T.alloc_buffer((1,), "uint64", scope="local")
             doa = T.alloc_buffer((1,), "uint64", scope="local")
             dk = T.alloc_buffer((1,), "uint64", scope="local")
@@ -1523,16 +1543,37 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                 if mods.alibi:
                     sl[0, 0] = alibi_slope_raw(mods, Slopes[sq[4] if varlen else c[0], c[1]],
                                                 scale)
+                for r in T.unroll(2):  # Delta = rowsum(dO * O): 0 past the end
+                    delta[r] = T.float32(0)
+                    if row + r * 8 < (sq[1] if varlen else Lq):
+                        lrow = T.meta_var(row + r * 8 + sq[0] if varlen else row + r * 8)
+                        for h in T.unroll(D // 32 // DW):  # DW stripes' loads, then sums
+                            for w in T.unroll(DW):  # the lane's 8 columns of a 32-column stripe
+                                col = T.meta_var(((h * DW + w) * 4 + lane % 4) * 4)
+                                for e in T.vectorized(4):
+                                    ow[w * 4 + e] = Ow[c[0] * (pb // 8 * 4) + c[1] * (ph // 8 * 4)
+                                                       + lrow * (pl // 8 * 4) + col + e]
+                                for e in T.vectorized(4):
+                                    dow[w * 4 + e] = dOw[c[0] * (gb // 8 * 4)
+                                                         + c[1] * (gh // 8 * 4)
+                                                         + lrow * (gl // 8 * 4) + col + e]
+                            for e in T.unroll(DW * 4):
+                                delta[r] = delta[r] + (widen_half(dtype, ow[e], False)
+                                                       * widen_half(dtype, dow[e], False))
+                                delta[r] = delta[r] + (widen_half(dtype, ow[e], True)
+                                                       * widen_half(dtype, dow[e], True))
+                    quad_reduce(delta, r, T.Add)
+                    if lane % 4 == 0 and row + r * 8 < (sq[1] if varlen else Lq):
+                        Delta[c[0], c[1], row + r * 8 + sq[0] if varlen else row + r * 8] = (
+                            delta[r])
                 for i in T.unroll(NO * 4):
                     acc[i] = T.float32(0)
                 for r in T.unroll(2):
                     # P = exp2(-inf) = 0 in rows past the end or without keys
                     lse[r] = pos_inf()
-                    delta[r] = T.float32(0)
                     if row + r * 8 < (sq[1] if varlen else Lq):
                         lrow = T.meta_var(row + r * 8 + sq[0] if varlen else row + r * 8)
                         lse[r] = LSE[c[0], c[1], lrow]
-                        delta[r] = Delta[c[0], c[1], lrow]
                         if lse[r] == neg_inf():
                             lse[r] = pos_inf()
                         if not tile.clamp:  # base 2, for prob's single FFMA
@@ -2335,3 +2376,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
 
 
 KERNELS = {"fwd": flash_forward, "dq": flash_dq, "dkv": flash_dkv}
+
+ABSORBS = {"dq": "bwd_pre"}
+"""Per op, the op whose work its kernel here does too (``tvm_flash.opspec.OpSpec.absorbs``):
+dQ computes Delta (:func:`flash_dq`), so a backward on these kernels launches no ``bwd_pre``.
+Measured (H100, 2026-12-06, ``docs/results/delta-in-dq-h100-v1.json``): the backward at D
+64/128/256, N 4096/16384, bf16, 0.98-1.04x the time of ``bwd_pre`` + the plain dQ (within the
+run-to-run spread); a launch fewer per backward on the host path."""

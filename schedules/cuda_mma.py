@@ -1470,6 +1470,14 @@ def flash_dkv(key: KernelKey, tile: MmaTile):
     return trim_params(flash_dkv, mods, varlen)
 
 
+def widen_half(dtype: str, w, hi: bool):
+    """Element ``hi`` of the two fp16/bf16 values in the 32-bit word ``w``, as float32."""
+    if dtype == "bfloat16":
+        return T.reinterpret(F32, (w & T.uint32(0xFFFF0000)) if hi else (w << T.uint32(16)))
+    half = (w >> T.uint32(16)) if hi else (w & T.uint32(0xFFFF))
+    return T.cast(T.reinterpret("float16", T.cast(half, "uint16")), F32)
+
+
 PRE_ROWS = 32
 """Rows a block of the backward's preprocess reduces: 4 lanes a row, 128 threads."""
 
@@ -1490,11 +1498,7 @@ def flash_bwd_pre(key: KernelKey, tile=None):
     NT = 128
 
     def widen(w, hi: bool):
-        """Element ``hi`` of the two fp16/bf16 values in the 32-bit word ``w``, as float32."""
-        if dtype == "bfloat16":
-            return T.reinterpret(F32, (w & T.uint32(0xFFFF0000)) if hi else (w << T.uint32(16)))
-        half = (w >> T.uint32(16)) if hi else (w & T.uint32(0xFFFF))
-        return T.cast(T.reinterpret("float16", T.cast(half, "uint16")), F32)
+        return widen_half(dtype, w, hi)
 
     @T.prim_func
     def flash_bwd_pre(o_h: T.handle, do_h: T.handle, delta_h: T.handle):

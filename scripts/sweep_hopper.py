@@ -85,17 +85,35 @@ def _build(key, tile: dict | None, out: str):
     stem = pathlib.Path(out) / hashlib.sha256(repr((key, tile)).encode()).hexdigest()[:16]
     built.export_library(f"{stem}.so")
     pathlib.Path(f"{stem}.{fmt}").write_bytes(code)
-    return f"{stem}.so", f"{stem}.{fmt}", hashlib.sha256(src.encode()).hexdigest(), key.op
+    absorbs = cuda_hopper.ABSORBS.get(key.op) if key.target == "cuda-sm_90a" else None
+    return (f"{stem}.so", f"{stem}.{fmt}", hashlib.sha256(src.encode()).hexdigest(), key.op,
+            absorbs)
 
 
-def _load(so, code, sha, op):
+class _Kernel:
+    """A built variant's entry function; :meth:`dq` calls a dQ kernel with O where it
+    computes Delta itself (``tvm_flash.opspec.OpSpec.absorbs``), as the plan does."""
+
+    def __init__(self, fn, absorbs: str | None):
+        self.fn, self.absorbs = fn, absorbs
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def dq(self, q, k, v, do, lse, o, delta, *rest):
+        if self.absorbs == "bwd_pre":
+            return self.fn(q, k, v, do, lse, o, delta, *rest)
+        return self.fn(q, k, v, do, lse, delta, *rest)
+
+
+def _load(so, code, sha, op, absorbs):
     import tvm_ffi
 
     from tvm_flash import artifacts
 
     artifacts._install_callback()
     artifacts._prebuilt[sha] = pathlib.Path(code).read_bytes()
-    return tvm_ffi.load_module(so)[SYMBOL[op]]
+    return _Kernel(tvm_ffi.load_module(so)[SYMBOL[op]], absorbs)
 
 
 WINDOW, CAP = (37, 5), 5.0  # the score modifiers' values a sweep checks with
@@ -234,6 +252,7 @@ def _check_varlen_backward(fn, key, q4, k4, v4, cu_q, cu_k, mods, scale, tail):
     do4 = torch.randn_like(q4)
     lse = torch.full(q4.shape[:3], float("-inf"), dtype=torch.float32, device=q4.device)
     delta = torch.zeros(q4.shape[:3], dtype=torch.float32, device=q4.device)
+    o4 = torch.zeros_like(q4)  # O rounded as the forward returns it, for a dQ that takes it
     refs = []
     for s in range(len(cu_q) - 1):
         rows, keys = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
@@ -243,11 +262,15 @@ def _check_varlen_backward(fn, key, q4, k4, v4, cu_q, cu_k, mods, scale, tail):
         out, seq_lse, exact = _grads(*args, torch.float64, **one)
         _, _, lowp = _grads(*args, dtype, **one)
         lse[:, :, rows] = seq_lse.float()
-        delta[:, :, rows] = (do4[:, :, rows].double() * out).sum(-1).float()
+        o4[:, :, rows] = out.to(dtype)
+        delta[:, :, rows] = (do4[:, :, rows].double() * o4[:, :, rows].double()).sum(-1).float()
         refs.append((rows, keys, exact, lowp))
     names = ("dq",) if key.op == "dq" else ("dk", "dv")
     outs = [torch.full_like(q4 if key.op == "dq" else k4, float("nan")) for _ in names]
-    fn(q4, k4, v4, do4, lse, delta, *outs, scale, *tail)
+    if key.op == "dq":
+        fn.dq(q4, k4, v4, do4, lse, o4, delta, *outs, scale, *tail)
+    else:
+        fn(q4, k4, v4, do4, lse, delta, *outs, scale, *tail)
     worst, ok = 0.0, True
     for s, (rows, keys, exact, lowp) in enumerate(refs):
         for name, o, i in zip(names, outs, (0,) if key.op == "dq" else (1, 2), strict=True):
@@ -342,15 +365,16 @@ def _fused_dq(acc, lq: int, d: int, scale: float, dtype):
     return (acc[:, :, :lq, :d] * scale).to(dtype)
 
 
-def _run_backward(fn, op, q, k, v, do, lse, delta, scale, layout, fused: int | None = None,
-                  extra=()):
+def _run_backward(fn, op, q, k, v, do, lse, o, delta, scale, layout,
+                  fused: int | None = None, extra=()):
     """Call the dq or dkv kernel on NaN-poisoned outputs (in ``layout``); its gradients
-    (``fused``, the dQ accumulator's row of a 5-GEMM dK/dV: dq, dk, dv)."""
+    (``fused``, the dQ accumulator's row of a 5-GEMM dK/dV: dq, dk, dv). ``o``: the forward's
+    output, for a dQ that computes Delta from it."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     if op == "dq":
         dq = _tensor(b, hq, lq, d, q.dtype, q.device, layout, float("nan"))
-        fn(q, k, v, do, lse, delta, dq, scale, *extra)
+        fn.dq(q, k, v, do, lse, o, delta, dq, scale, *extra)
         return (dq,)
     dk = _tensor(b, hkv, lk, d, q.dtype, q.device, layout, float("nan"))
     dv = _tensor(b, hkv, lk, d, q.dtype, q.device, layout, float("nan"))
@@ -380,13 +404,14 @@ def check_backward(fn, key, device, strided: bool = True, fused: int | None = No
         extra, mods = _mods(key, q, k)
         out, lse, exact = _grads(q, k, v, do, key.causal, scale, torch.float64, **mods)
         _, _, lowp = _grads(q, k, v, do, key.causal, scale, dtype, **mods)
-        delta = (do.double() * out).sum(-1).float().contiguous()
-        ours = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), delta,
+        o = out.to(dtype)  # as the forward returns it
+        delta = (do.double() * o.double()).sum(-1).float().contiguous()
+        ours = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), o, delta,
                              scale, layout, fused, extra)
         if fused and deterministic:
             for _ in range(2):
-                again = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), delta,
-                                      scale, layout, fused)
+                again = _run_backward(fn, key.op, q, k, v, do, lse.float().contiguous(), o,
+                                      delta, scale, layout, fused)
                 if not all(torch.equal(a, o) for a, o in zip(again, ours, strict=True)):
                     ok = False
                     print(f"   FAIL {key.name} {layout} b{b} hkv{hkv} lq{lq} lk{lk}: runs "
@@ -435,6 +460,7 @@ def timing_backward(fn, key, n: int, device, fused: int | None = None) -> dict:
     # LSE of a typical row (its scores spread ~N(0, 1)): P stays away from 0 and 1
     lse = torch.full((b, h, n), math.log(n) + 0.5, dtype=torch.float32, device=device)
     delta = torch.randn(b, h, n, dtype=torch.float32, device=device)
+    o = torch.randn_like(q)  # a dQ that computes Delta reads it
     outs = [torch.empty_like(q) for _ in range(1 if key.op == "dq" else 2)]
     scale = 1 / math.sqrt(d)
     gemms = 5 if fused else GEMMS[key.op]
@@ -452,7 +478,10 @@ def timing_backward(fn, key, n: int, device, fused: int | None = None) -> dict:
         extra = _timed_mods(key, q, k)
 
         def call():
-            fn(q, k, v, do, lse, delta, *outs, scale, *extra)
+            if key.op == "dq":
+                fn.dq(q, k, v, do, lse, o, delta, *outs, scale, *extra)
+            else:
+                fn(q, k, v, do, lse, delta, *outs, scale, *extra)
     ms = do_bench(call, warmup=50, rep=300, return_mode="median")
     _profile_once(call)
     return {"ours": flops / ms / 1e9, "ms": ms}

@@ -8,6 +8,7 @@ precision, plus a small absolute floor. Max and mean errors are printed (pytest 
 import torch
 
 from tvm_flash import attention, attention_reference
+from tvm_flash.artifacts import absorbs, kernel
 
 FLOOR = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
@@ -83,3 +84,11 @@ def check_against_reference(q, k, v, do, causal, *, scale=None, enable_gqa=True,
     return ours
 
 
+
+
+def launch_dq(key, q, k, v, do, lse, out, delta, dq, scale, *extra):
+    """Launch the tiled dQ kernel ``key`` as ``tvm_flash.plan`` does: with ``out`` where it
+    computes Delta itself (``OpSpec.absorbs``; it then writes ``delta``), else reading
+    ``delta``."""
+    o = (out,) if absorbs(key) == "bwd_pre" else ()
+    kernel(key)(q, k, v, do, lse, *o, delta, dq, scale, *extra)

@@ -210,6 +210,28 @@ def test_op_table_matches_the_kernels(op):
             assert tuple(p.name for p in func.params) == spec.args_of(True)
 
 
+@pytest.mark.parametrize("mods", [{}, {"softcap": True, "alibi": True}, {"varlen": True}])
+def test_hopper_dq_takes_what_absorbing_bwd_pre_adds(mods):
+    """The Hopper dQ computes Delta (``schedules.absorbs``): its parameters are the op's with
+    ``ABSORB_ARGS`` before Delta (the plan passes O there), with and without modifiers and
+    packed sequences. The ``mma.sync`` dQ (sm_90) keeps the plain convention."""
+    from tvm_flash.build import scheduled_module, schedules
+    from tvm_flash.opspec import SPECS
+
+    spec = SPECS["dq"]
+    key = KernelKey("dq", 128, "bfloat16", "top-left", 2, "cuda-sm_90a", **mods)
+    assert schedules.absorbs("cuda", key) == spec.absorbs == "bwd_pre"
+    func = scheduled_module(key)["main"]
+    want = spec.args_of(bool(key.mods), key.varlen, absorbed=True)
+    assert tuple(p.name for p in func.params) == want and want.index("O") == 5
+    mma = dataclasses.replace(key, target="cuda-sm_90")
+    assert schedules.absorbs("cuda", mma) is None
+    assert len(scheduled_module(mma)["main"].params) == len(spec.args_of(bool(key.mods),
+                                                                         key.varlen))
+    with pytest.raises(ValueError, match="absorbs no other op"):
+        SPECS["dkv"].args_of(absorbed=True)
+
+
 def test_build_rejects_unsupported_requests(tmp_path):
     for args, text in ((["--head-dims", "48"], "head_dim"), (["--dtypes", "fp8"], "--dtypes"),
                        (["--target", "rocm"], "target")):

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 import tvm
-from checks import FLOOR, _err, make_inputs, reference
+from checks import FLOOR, _err, launch_dq, make_inputs, reference
 from conftest import DEVICES
 
 from tvm_flash import KernelKey, attention, attention_reference
@@ -315,7 +315,7 @@ def test_raw_kernels_overwrite_poisoned_outputs(causal, device):
     kernel(KernelKey("bwd_pre", **{**meta, "causal": "none", "group": 1}))(out, do, delta)
     dq = _poisoned(q.shape, dt, device)
     dk, dv = _poisoned(k.shape, dt, device), _poisoned(v.shape, dt, device)
-    kernel(KernelKey("dq", **meta))(q, k, v, do, lse, delta, dq, scale)
+    launch_dq(KernelKey("dq", **meta), q, k, v, do, lse, out, delta, dq, scale)
     kernel(KernelKey("dkv", **meta))(q, k, v, do, lse, delta, dk, dv, scale)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -406,10 +406,11 @@ def test_large_head_dim_raw_kernels_overwrite_poisoned_outputs(d, dtype, causal,
     out, lse = _poisoned(q.shape, dtype, device), _poisoned(q.shape[:3], torch.float32, device)
     kernel(KernelKey("fwd", **meta))(q, k, v, torch.zeros(hq, **f32), out, lse, scale)
     ref_lse = exact[1].float().contiguous()
-    delta = (do.double() * exact[0].to(dtype).double()).sum(-1).float()
+    rounded = exact[0].to(dtype)  # O as the forward returns it: Delta from its rounded values
+    delta = (do.double() * rounded.double()).sum(-1).float()
     dq = _poisoned(q.shape, dtype, device)
     dk, dv = _poisoned(k.shape, dtype, device), _poisoned(v.shape, dtype, device)
-    kernel(KernelKey("dq", **meta))(q, k, v, do, ref_lse, delta, dq, scale)
+    launch_dq(KernelKey("dq", **meta), q, k, v, do, ref_lse, rounded, delta, dq, scale)
     kernel(KernelKey("dkv", **meta))(q, k, v, do, ref_lse, delta, dk, dv, scale)
     torch.cuda.synchronize()
     for name, ours, e, lp, mult in zip(("out", "lse", "dq", "dk", "dv"),

@@ -89,6 +89,47 @@ def test_launch_order_is_the_plans(monkeypatch):
     plan.clear()
 
 
+def test_a_dq_that_computes_delta_replaces_bwd_pre(monkeypatch):
+    """Where the dQ artifact records that it does ``bwd_pre``'s work (``absorbs``, the Hopper
+    dQ), the tiled backward launches dQ with O before Delta and no ``bwd_pre``, and dK/dV reads
+    the Delta it wrote. Here the llvm dQ stands in, Delta made beside it as the kernel would."""
+    launched = []
+    real = plan.kernel
+
+    def recording(key):
+        fn = real(key)
+        if key.op != "dq":
+            return lambda *args: (launched.append(key.op), fn(*args))
+
+        def absorbing(q, k, v, do, lse, o, delta, *rest):
+            launched.append("dq")
+            delta.copy_((do.float() * o.float()).sum(-1))
+            return fn(q, k, v, do, lse, delta, *rest)
+        return absorbing
+
+    plan.clear()
+    monkeypatch.setattr(plan, "kernel", recording)
+    monkeypatch.setattr(plan.artifacts, "absorbs",
+                        lambda key: "bwd_pre" if key.op == "dq" else None)
+    try:
+        for lq in (3, 30):  # the short path keeps bwd_pre
+            q, k, v, do = make_inputs(1, 4, 2, lq, 40, 64, torch.float32, "cpu")
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            launched.clear()
+            out = tvm_flash.attention(*leaves, is_causal=True, enable_gqa=True)
+            out.backward(do)
+            want = (("fwd_split", "fwd_merge", "bwd_pre", "dq_split", "dq_merge", "dkv_packed")
+                    if lq <= plan.SHORT_QUERY_MAX else ("fwd", "dq", "dkv"))
+            assert tuple(launched) == want
+            ref = [t.double().requires_grad_() for t in (q, k, v)]
+            tvm_flash.attention_reference(*ref, causal="top-left")[0].backward(do.double())
+            for ours, exact in zip(leaves, ref, strict=True):
+                torch.testing.assert_close(ours.grad.double(), exact.grad, atol=1e-4,
+                                           rtol=1e-4)
+    finally:
+        plan.clear()
+
+
 def test_plans_follow_the_artifact_source(tmp_path):
     """A plan holds loaded kernels: after use_artifacts / allow_jit the next call loads again
     (here: refuses, the directory is empty), never runs the earlier plan's kernels."""

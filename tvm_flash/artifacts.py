@@ -7,7 +7,8 @@ per :class:`KernelKey`:
 * ``<key>.fatbin`` / ``<key>.cubin`` — CUDA only: the device code compiled ahead of time for
   the target arch, so a training machine never compiles CUDA;
 * an entry in ``manifest.json``: file names, target, arch, the digest of the kernel and
-  schedule source it was built from, its fingerprint, the TVM / tvm-ffi versions that built it.
+  schedule source it was built from, its fingerprint, the TVM / tvm-ffi versions that built it,
+  and the op whose work the kernel does too (``absorbs``, where it does: :func:`absorbs`).
 
 Where kernels come from, in order (:func:`lookup`):
 
@@ -224,7 +225,13 @@ def _install_callback():
     tvm_ffi.register_global_func("tvm_callback_cuda_compile", _serve_device_code, override=True)
 
 
-def _open(directory: pathlib.Path, entry: dict, key: KernelKey):
+@dataclasses.dataclass(frozen=True)
+class _Loaded:
+    fn: object  # the module's entry function
+    absorbs: str | None  # the entry's ``absorbs``
+
+
+def _open(directory: pathlib.Path, entry: dict, key: KernelKey) -> _Loaded:
     """Load one artifact entry after checking it was built for this key, arch and source."""
     refusal = _refusal(entry, key)
     if refusal is not None:
@@ -245,7 +252,7 @@ def _open(directory: pathlib.Path, entry: dict, key: KernelKey):
         # each release lets another Python thread (a data loader's, autograd's) take it, to
         # be waited for before the next launch. CPU kernels compute: they release it.
         entry_fn.release_gil = False
-    return entry_fn
+    return _Loaded(entry_fn, entry.get("absorbs"))
 
 
 def _from_cache(key: KernelKey):
@@ -309,7 +316,15 @@ def has(key: KernelKey) -> bool:
 def kernel(key: KernelKey):
     """The callable entry function of ``key``'s module, loaded once per process."""
     with _lock:
-        return _load(key)
+        return _load(key).fn
+
+
+def absorbs(key: KernelKey) -> str | None:
+    """The op whose work ``key``'s kernel does too, as its artifact records it
+    (``tvm_flash.opspec.OpSpec.absorbs``): then it takes ``ABSORB_ARGS`` and that op is not
+    launched (``tvm_flash.plan``). Loads the kernel; runs no build code."""
+    with _lock:
+        return _load(key).absorbs
 
 
 # ------------------------------------------------------------------------------ description

@@ -25,6 +25,7 @@ from .build import (
     device_source,
     fingerprint,
     scheduled_module,
+    schedules,
 )
 from .key import KernelKey
 from .source import source_digest
@@ -51,7 +52,8 @@ def build_artifact(key: KernelKey, out_dir: pathlib.Path, with_fingerprint: bool
     Files are named by the key, and by its fingerprint too with ``with_fingerprint`` (the JIT
     cache, where builds of several kernel versions live side by side). ``tuned``: the choice
     of a tuning log (:func:`tvm_flash.tuning.load_tuned`), recorded in the entry. The entry
-    records the source digest the loader checks.
+    records the source digest the loader checks, and the op whose work the kernel does too
+    (``absorbs``, ``tvm_flash.opspec.OpSpec.absorbs``) where it does.
     """
     choice = {k: v for k, v in tuned.items() if k not in ("digest", "why")} if tuned else None
     fp = fingerprint(key, choice)
@@ -65,6 +67,9 @@ def build_artifact(key: KernelKey, out_dir: pathlib.Path, with_fingerprint: bool
              "runtime": runtime_versions(), "schedule": "tuned" if tuned else "default"}
     if tuned:
         entry.update(tuned=choice, tuning_log_digest=tuned["digest"])
+    absorbed = schedules.absorbs(kind, key)
+    if absorbed:  # its calling convention and the plan's launches depend on it
+        entry["absorbs"] = absorbed
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         tmp = pathlib.Path(tmp)

@@ -58,6 +58,14 @@ class OpSpec:
     varlen: bool = False
     """Has a variable-length form (packed sequences, ``KernelKey.varlen``), which takes
     :data:`VARLEN_ARGS` last."""
+    absorbs: str | None = None
+    """An op whose work a kernel family may do inside this one instead: dQ may compute Delta
+    = rowsum(dO * O) of the rows it owns (``bwd_pre``'s work) and write it for dK/dV, which
+    runs after it — a launch fewer a backward, which at small shapes is host time (the Hopper
+    dQ does: ``schedules.absorbs``). Such a build takes :data:`ABSORB_ARGS` before ``Delta``
+    (:meth:`args_of`) and writes ``Delta`` instead of reading it. Its artifact records it
+    (manifest entry ``absorbs``), so the plan knows whether to launch the absorbed op
+    without running schedule code."""
 
     @property
     def length_buckets(self) -> bool:
@@ -65,10 +73,17 @@ class OpSpec:
         path's kernels that walk tiles (forward, dQ, dK/dV)."""
         return not self.row_wise and not self.short_query
 
-    def args_of(self, mods: bool = False, varlen: bool = False) -> tuple[str, ...]:
-        """The entry function's parameters of a kernel built with or without score modifiers
-        and in its variable-length form or not."""
-        return self.args + (MOD_ARGS if mods else ()) + (VARLEN_ARGS if varlen else ())
+    def args_of(self, mods: bool = False, varlen: bool = False,
+                absorbed: bool = False) -> tuple[str, ...]:
+        """The entry function's parameters of a kernel built with or without score modifiers,
+        in its variable-length form or not, and doing the work of :attr:`absorbs` or not."""
+        args = self.args
+        if absorbed:
+            if self.absorbs is None:
+                raise ValueError(f"op {self.name!r} absorbs no other op")
+            at = args.index("Delta")
+            args = args[:at] + ABSORB_ARGS + args[at:]
+        return args + (MOD_ARGS if mods else ()) + (VARLEN_ARGS if varlen else ())
 
 
 MOD_ARGS = ("Slopes", "window_left", "window_right", "softcap")
@@ -76,6 +91,10 @@ MOD_ARGS = ("Slopes", "window_left", "window_right", "softcap")
 applies (one calling convention; the others are passed and ignored, as ``Sinks`` is):
 ALiBi slopes ``(B, Hq)`` float32, the window's left and right extents (int64, each at most
 ``Lq + Lk``: a larger one is unbounded) and the soft cap (float32)."""
+
+ABSORB_ARGS = ("O",)
+"""What a kernel that absorbs ``bwd_pre`` (:attr:`OpSpec.absorbs`) takes before ``Delta``: the
+forward's output, whose rows it reduces with dO's."""
 
 VARLEN_ARGS = ("CuQ", "CuK", "max_seqlen_q", "max_seqlen_k")
 """What a variable-length kernel takes last: where each sequence's queries and keys start in
@@ -92,7 +111,7 @@ SPECS = {spec.name: spec for spec in (
     OpSpec("bwd_pre", "flash_bwd_pre", ("O", "dO", "Delta"),
            "flash_bwd_preprocess", ("head_dim", "dtype", "tile"), row_wise=True),
     OpSpec("dq", "flash_dq", ("Q", "K", "V", "dO", "LSE", "Delta", "dQ", "scale"),
-           "flash_dq", (*_TILE, "varlen"), mods=True, varlen=True),
+           "flash_dq", (*_TILE, "varlen"), mods=True, varlen=True, absorbs="bwd_pre"),
     OpSpec("dkv", "flash_dkv", ("Q", "K", "V", "dO", "LSE", "Delta", "dK", "dV", "scale"),
            "flash_dkv", (*_TILE, "varlen"), mods=True, varlen=True),
     # the short-query path: forward and dQ cut the keys into splits whose partial results a

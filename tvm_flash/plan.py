@@ -142,7 +142,8 @@ def forward_keys(target, head_dim, dtype, causal, group, *, sinks: bool, short: 
 
 def backward_keys(target, head_dim, dtype, causal, group, *, short: bool,
                   mods=(), varlen: bool = False) -> tuple[KernelKey, ...]:
-    """The backward's kernels in launch order (see :meth:`Plan.backward`). Sinks change no
+    """The backward's kernels in launch order (see :meth:`Plan.backward`; the plan drops
+    ``bwd_pre`` from the tiled path where the dQ artifact does its work). Sinks change no
     backward kernel (the forward's LSE includes them)."""
     tiled, row_wise = _fields(target, head_dim, dtype, causal, group, mods, varlen)
     pre = KernelKey("bwd_pre", **row_wise)
@@ -176,6 +177,7 @@ class Plan:
     short: bool
     units: int  # parallel units of the device (short path: sizes the key splits)
     mps: bool  # TVM's Metal queue is not torch's: synchronise around the launches
+    delta_in_dq: bool = False  # the tiled dQ computes Delta itself: no bwd_pre (_make)
 
     @property
     def ops(self) -> tuple[str, ...]:
@@ -202,8 +204,9 @@ class Plan:
 
     def backward(self, do, q, k, v, out, lse, delta, dq, dk, dv, scale: float,
                  extra=()) -> None:
-        """Fill ``delta`` (rowsum(dO * O)), ``dq``, ``dk`` and ``dv``. Non-empty inputs;
-        ``extra`` as :meth:`forward`."""
+        """Fill ``delta`` (rowsum(dO * O): by ``bwd_pre``, or by the dQ kernel where it
+        computes it, ``delta_in_dq``), ``dq``, ``dk`` and ``dv``. Non-empty inputs; ``extra``
+        as :meth:`forward`."""
         if self.mps:
             torch.mps.synchronize()
         if self.short:
@@ -212,6 +215,9 @@ class Plan:
             dq_part = _partials(q, num_splits(q, k, PACKED_ROWS, self.units), q.shape[3])
             dq_split(q, k, v, do, lse, delta, dq_part, scale, *extra)
             dq_merge(dq_part, dq, scale)
+        elif self.delta_in_dq:  # it takes O and writes Delta (opspec.ABSORB_ARGS)
+            dq_tiled, dkv = self.kernels
+            dq_tiled(q, k, v, do, lse, out, delta, dq, scale, *extra)
         else:
             pre, dq_tiled, dkv = self.kernels
             pre(out, do, delta)
@@ -266,8 +272,14 @@ def _make(signature: tuple) -> Plan:
             keys = forward_keys(target, head_dim, dtype, causal, group, sinks=sinks,
                                 short=short, mods=mods, varlen=varlen)
         keys = tuple(_bucketed(key, bucket) for key in keys)
+        # a tiled dQ that computes Delta itself, as its artifact records (OpSpec.absorbs):
+        # bwd_pre is not launched (nor loaded)
+        delta_in_dq = (backward and not short
+                       and artifacts.absorbs(keys[1]) == keys[0].op == "bwd_pre")
+        if delta_in_dq:
+            keys = keys[1:]
         found = Plan(keys, tuple(kernel(key) for key in keys), short, parallel_units(device),
-                     device.type == "mps")
+                     device.type == "mps", delta_in_dq)
         _plans[signature] = found
         return found
 
