@@ -1497,9 +1497,6 @@ def flash_bwd_pre(key: KernelKey, tile=None):
     NC = D // 32  # 16-byte loads per lane: 8 elements of each of its row's 32-column stripes
     NT = 128
 
-    def widen(w, hi: bool):
-        return widen_half(dtype, w, hi)
-
     @T.prim_func
     def flash_bwd_pre(o_h: T.handle, do_h: T.handle, delta_h: T.handle):
         T.func_attr({"global_symbol": "flash_bwd_pre", "tirx.noalias": True})
@@ -1534,8 +1531,8 @@ def flash_bwd_pre(key: KernelKey, tile=None):
                 for v in T.vectorized(4):
                     do[c * 4 + v] = dOw[b, h, row, (c * 4 + tx % 4) * 4 + v]
             for v in T.unroll(4 * NC):
-                acc[0] = acc[0] + widen(o[v], False) * widen(do[v], False)
-                acc[0] = acc[0] + widen(o[v], True) * widen(do[v], True)
+                acc[0] = acc[0] + widen_half(dtype, o[v], False) * widen_half(dtype, do[v], False)
+                acc[0] = acc[0] + widen_half(dtype, o[v], True) * widen_half(dtype, do[v], True)
         # every lane takes part in the shuffles (a row past L adds zeros)
         acc[0] = acc[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), acc[0], 1, 32, 32)
         acc[0] = acc[0] + T.tvm_warp_shuffle_xor(T.uint32(0xFFFFFFFF), acc[0], 2, 32, 32)

@@ -84,8 +84,6 @@ def check_against_reference(q, k, v, do, causal, *, scale=None, enable_gqa=True,
     return ours
 
 
-
-
 def launch_dq(key, q, k, v, do, lse, out, delta, dq, scale, *extra):
     """Launch the tiled dQ kernel ``key`` as ``tvm_flash.plan`` does: with ``out`` where it
     computes Delta itself (``OpSpec.absorbs``; it then writes ``delta``), else reading
