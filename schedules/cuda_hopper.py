@@ -75,6 +75,7 @@ from tvm_flash.kernels.common import (
     Mods,
     TileConfig,
     alibi_slope_raw,
+    diagonal,
     exp2_clamped,
     exp2_fma,
     first_key,
@@ -212,6 +213,13 @@ class HopperTile:
       P^T's and dS^T's words live one wait longer (ptxas: D 64's and 96's default tiles and
       D 128 with 48-query steps keep the wgmma asynchronous; D 128's 64-query steps and D 64's
       128 serialise them, C7512). A variant to measure.
+    * ``alibi_rows`` (forward, ALiBi without a soft cap): the bias ``-slope * distance`` of
+      a thread's element split into the element's constant part, ``slope`` times its column
+      offset within the thread's columns (one FFMA with an immediate), and its row's part,
+      which the row's max and the exponent's subtrahend take once a row (a softmax is
+      invariant under a shift of a row), instead of an add and an FFMA an element. Without
+      a causal mask the distance's absolute value is linear only on one side of the
+      diagonal: the threads it crosses take the element's form.
     """
 
     consumers: int = 2
@@ -232,6 +240,7 @@ class HopperTile:
     overlap: bool = False
     dq_order: str = "key"
     dq_pad: bool = False
+    alibi_rows: bool = False
 
     @property
     def rows(self) -> int:
@@ -613,7 +622,7 @@ def _sm_count(persistent: bool):
 
 
 def _score(s, scale, mods: Mods, ma, causal: str, row, col, Lq, Lk, offset, unit: float,
-           scaled: bool = True):
+           scaled: bool = True, tanh_value=None):
     """Element ``s``'s modified score (``common.modified_score``; the slope in
     ``ma.slopes[0, 0]``) in ``unit``s (``LOG2E``: an exp2's argument). ALiBi without a soft
     cap takes the raw form (the slope register holds ``slope / scale``:
@@ -624,7 +633,76 @@ def _score(s, scale, mods: Mods, ma, causal: str, row, col, Lq, Lk, offset, unit
     if mods.alibi and not mods.softcap:
         raw = modified_score(*at, raw=True)
         return raw * (scale * T.float32(unit)) if scaled else raw
-    return modified_score(*at, unit=unit) if scaled else modified_score(*at) * T.float32(unit)
+    if scaled:
+        return modified_score(*at, unit=unit, tanh_value=tanh_value)
+    return modified_score(*at, tanh_value=tanh_value) * T.float32(unit)
+
+
+_TANH2 = """__device__ __forceinline__ unsigned tvmf_tanh2(float a, float b) {
+  unsigned r;  // no volatile: nvcc computes a pair's tanh once for both of its halves
+  asm("{.reg .b32 p; cvt.rn.f16x2.f32 p, %2, %1; tanh.approx.f16x2 %0, p;}"
+      : "=r"(r) : "f"(a), "f"(b));
+  return r;
+}
+"""
+_HALF = """__device__ __forceinline__ float tvmf_half(unsigned r, int hi) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(hi ? r >> 16 : r & 0xffff)));
+  return f;
+}
+"""
+
+
+def _tanh_pair(a, b):
+    """The soft cap's ``f16x2`` form: ``tanh`` of ``a`` and ``b`` by one
+    ``tanh.approx.f16x2``, as float16 halves of a 32-bit word (``a`` the low one)."""
+    return T.cuda.func_call("tvmf_tanh2", a, b, source_code=_TANH2, return_type="uint32")
+
+
+def _half(word, half):
+    """Half ``half`` (0: low) of :func:`_tanh_pair`'s word, held as a float32's bits."""
+    return T.cuda.func_call("tvmf_half", T.reinterpret("uint32", word), T.int32(half),
+                            source_code=_HALF, return_type="float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ByRows:
+    """ALiBi by rows (``HopperTile.alibi_rows``) in a forward or dQ thread's accumulator
+    layout: element ``i`` of the thread whose first element is at query ``row``, key ``k0 +
+    lane % 4 * 2``, sits at distance ``distance + 8 (i % 4 // 2) - (8 (i // 4) + i % 2)``
+    (``row + diagonal - col``), so a thread's distances lie in ``[E - (step - 7), E + 8]``.
+    Where they share a sign, the bias ``-slope * |distance|`` is ``slope`` (signed) times the
+    element's constant ``8 (i // 4) + i % 2`` (:meth:`element`) less the row's part
+    (:meth:`bias`), which the softmax takes once a row."""
+
+    causal: str
+    step: int
+
+    def distance(self, row, k0, lane, Lq, Lk):
+        return row + diagonal(self.causal, Lq, Lk) - (k0 + lane % 4 * 2)
+
+    def crossed(self, row, k0, lane, Lq, Lk):
+        """Whether the diagonal crosses the thread's elements (never under a causal mask:
+        every visible distance is >= 0): those take the element's form."""
+        e = self.distance(row, k0, lane, Lq, Lk)
+        return T.And(e < self.step - 7, e + 8 > 0)
+
+    def slope(self, row, k0, lane, Lq, Lk, ma):
+        """The raw form's slope (``slope / scale``), negated where the distances are <= 0."""
+        if self.causal != "none":
+            return ma.slopes[0, 0]
+        e = self.distance(row, k0, lane, Lq, Lk)
+        return T.if_then_else(e + 8 <= 0, -ma.slopes[0, 0], ma.slopes[0, 0])
+
+    def element(self, x, i, row, k0, lane, Lq, Lk, ma):
+        """Raw score ``x`` of element ``i`` plus its constant part: an FFMA with an
+        immediate."""
+        return x + self.slope(row, k0, lane, Lq, Lk, ma) * T.float32(i // 4 * 8 + i % 2)
+
+    def bias(self, r, row, k0, lane, Lq, Lk, ma):
+        """The thread's row ``r``'s part, ``slope * (E + 8 r)``, to subtract."""
+        return self.slope(row, k0, lane, Lq, Lk, ma) * T.cast(
+            self.distance(row, k0, lane, Lq, Lk) + r * 8, "float32")
 
 
 PERSISTENT_MAX_WINDOW = 2048
@@ -810,6 +888,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     # scores rewritten before the softmax: in base 2 under a soft cap; ALiBi alone in the raw
     # score's units (modified_score's raw form), scaled as a plain score
     rescored = mods.softcap or mods.alibi
+    alibi_rows, by_rows = tile.alibi_rows, _ByRows(causal, tile.step)  # (``kernel`` checks)
     varlen = key.varlen  # packed sequences (``tvm_flash.kernels.forward.flash_forward``)
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
@@ -871,6 +950,14 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         if do_pv:
             gemm_rs(mma_o, acc, NO * 4, pw, dv[0], BK // 16, ROW)
 
+    def row_part(r, row, k0, lane, Lq, Lk, ma):
+        """ALiBi by rows: the part of row ``r``'s bias the elements left out (none where the
+        diagonal crosses them)."""
+        b = by_rows.bias(r, row, k0, lane, Lq, Lk, ma)
+        if causal != "none":
+            return b
+        return T.if_then_else(by_rows.crossed(row, k0, lane, Lq, Lk), T.float32(0), b)
+
     @T.macro
     def softmax(s, p, acc, m, mn, msub, lsum, bars, j, g, row, lane, scale2, elected,
                 Lq, Lk, c, scale, ma):
@@ -884,7 +971,23 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         pin(s, NS * 4)
         if elected:
             T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EK + g % ST]))
-        if rescored:
+        if alibi_rows and causal == "none" and by_rows.crossed(row, k0, lane, Lq, Lk):
+            for i in T.unroll(NS * 4):  # the diagonal crosses this thread's elements
+                s[i] = _score(s[i], scale, mods, ma, causal, row + i % 4 // 2 * 8,
+                              k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2), LOG2E,
+                              scaled=False)
+        elif alibi_rows:  # the element's part; the row's part below
+            for i in T.unroll(NS * 4):
+                s[i] = by_rows.element(s[i], i, row, k0, lane, Lq, Lk, ma)
+        elif rescored and tile.tanh == "f16x2":  # msub (free here): a pair's two tanh
+            for i in T.unroll(NS * 4):
+                if i % 2 == 0:
+                    msub[0] = T.reinterpret("float32", _tanh_pair(
+                        s[i] * (scale / ma.cap), s[i + 1] * (scale / ma.cap)))
+                s[i] = _score(s[i], scale, mods, ma, causal, row + i % 4 // 2 * 8,
+                              k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2), LOG2E,
+                              scaled=False, tanh_value=_half(msub[0], i % 2))
+        elif rescored:
             for i in T.unroll(NS * 4):
                 s[i] = _score(s[i], scale, mods, ma, causal, row + i % 4 // 2 * 8,
                               k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2), LOG2E,
@@ -896,9 +999,15 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                     s[i] = neg_inf()
         for r in T.unroll(2):
             mn[r] = _row_tree(T.max, s, r, NS)
+            if alibi_rows:  # the thread's row part, before the quad's max (crossed: 0) ...
+                mn[r] = mn[r] - row_part(r, row, k0, lane, Lq, Lk, ma)
             quad_reduce(mn, r, T.max)
             mn[r] = T.max(m[r], mn[r] * scale2)
-            msub[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(0), mn[r])
+            if alibi_rows:  # ... and into the exponent's subtrahend
+                msub[r] = (T.if_then_else(mn[r] == neg_inf(), T.float32(0), mn[r])
+                           + row_part(r, row, k0, lane, Lq, Lk, ma) * scale2)
+            else:
+                msub[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(0), mn[r])
         for i in T.unroll(NS * 4):
             if i % 8 < tile.exp2_fma:  # (unrolled: a constant per element)
                 s[i] = exp2_fma(s[i] * scale2 - msub[_lane_row(i, NS)])
@@ -1225,6 +1334,11 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if not 0 <= chosen.exp2_fma <= 8 or chosen.exp2_fma and key.op != "fwd":
         raise ValueError(f"{key.name}: tile {chosen}: exp2_fma is the forward's, 0 to 8 of "
                          "every 8 scores")
+    if chosen.alibi_rows and (not key.alibi or key.softcap or key.op != "fwd" and chosen.clamp
+                              or key.op == "dkv" and (chosen.split or chosen.dq)):
+        raise ValueError(f"{key.name}: tile {chosen}: alibi_rows is for ALiBi without a soft "
+                         "cap, in the forward and the unclamped dQ and dK/dV (not split, "
+                         "without the fused dQ)")
     for field in ("overlap", "stats_early"):  # written into the plain dK/dV step only
         if getattr(chosen, field) and (key.op != "dkv" or chosen.split or chosen.dq):
             raise ValueError(f"{key.name}: tile {chosen}: {field} is the dK/dV's, neither "
@@ -1240,6 +1354,9 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
         raise ValueError(f"{key.name}: tile {chosen}: tanh must be one of {TANH_FORMS}")
     if chosen.tanh != "exp2" and not key.softcap:
         raise ValueError(f"{key.name}: tile {chosen}: a tanh form is for keys with a soft cap")
+    if chosen.tanh == "f16x2" and key.op != "fwd":
+        raise ValueError(f"{key.name}: tile {chosen}: the f16x2 tanh pairs the forward's "
+                         "scores")
     if chosen.smem_bytes(key.head_dim, key.op) > SMEM_LIMIT:
         raise ValueError(f"{key.name}: tile {chosen} needs "
                          f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "
@@ -1282,6 +1399,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     dP completed."""
     D, dtype, causal = key.head_dim, key.dtype, key.causal
     mods = Mods(key.window, key.softcap, key.alibi, tile.tanh)
+    alibi_rows, by_rows = tile.alibi_rows, _ByRows(causal, tile.step)  # (``kernel`` checks)
     varlen = key.varlen  # packed sequences, as the forward's
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
@@ -1369,8 +1487,16 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         else:
             T.ptx.wgmma.wait_group.sync.aligned(2 if dq_in_flight else 1)  # S_j done
             pin(s, NS * 4)
-            for i in T.unroll(NS * 4):
-                s[i] = prob(s, i, row, lane, k0, lse, scale, Lq, Lk, ma)
+            if alibi_rows and not (causal == "none" and by_rows.crossed(row, k0, lane, Lq, Lk)):
+                for i in T.unroll(NS * 4):  # the element's part; the row's part in the LSE
+                    s[i] = T.exp2(by_rows.element(s[i], i, row, k0, lane, Lq, Lk, ma)
+                                  * (scale * T.float32(LOG2E))
+                                  - (lse[i % 4 // 2] + by_rows.bias(i % 4 // 2, row, k0, lane,
+                                                                    Lq, Lk, ma)
+                                     * (scale * T.float32(LOG2E))))
+            else:
+                for i in T.unroll(NS * 4):
+                    s[i] = prob(s, i, row, lane, k0, lse, scale, Lq, Lk, ma)
             if masked:
                 for i in T.unroll(NS * 4):
                     if not visible(causal, row + i % 4 // 2 * 8,
@@ -1648,6 +1774,7 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
     # the plain tile only (MODS_WRITTEN)
     mods = Mods(key.window, key.softcap, key.alibi, tile.tanh)
+    alibi_rows = tile.alibi_rows  # (``kernel`` checks)
     varlen = key.varlen  # packed sequences: the plain tile only (VARLEN_WRITTEN)
     BN, BQ, ST, NC, SPLIT = tile.rows, tile.step, tile.stages, tile.consumers, tile.split
     NT = tile.threads
@@ -1692,6 +1819,35 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             return T.exp2(score - lse)
         return exp2_clamped((score - lse) * T.float32(LOG2E))
 
+    def cols_distance(q0, key_row, lane, Lq, Lk):
+        """ALiBi by columns (``tile.alibi_rows`` in dK/dV): the distance ``query + diagonal
+        - key`` of this thread's first element (key ``key_row``, query ``q0 + lane % 4 * 2``);
+        element ``e``'s is this plus ``8 (e // 4) + e % 2`` (its query column's part) less
+        ``8 (e % 4 // 2)`` (its key row's), so a thread's lie in ``[E - 8, E + step - 7]``."""
+        return q0 + lane % 4 * 2 + diagonal(causal, Lq, Lk) - key_row
+
+    def cols_crossed(q0, key_row, lane, Lq, Lk):
+        """Whether the diagonal crosses the thread's elements (never under a causal mask):
+        those take the element's form."""
+        e = cols_distance(q0, key_row, lane, Lq, Lk)
+        return T.And(e < 8, e + (BQ - 7) > 0)
+
+    def prob_cols(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma, sr=None):
+        """P^T of element ``e`` under ALiBi by columns, where the thread's distances share a
+        sign: ``exp2(S K - A + 8 r slope K)`` (``K = scale log2 e``, ``r = e % 4 // 2``)
+        with ``A = LSE + slope K (E + 8 (e // 4) + e % 2)`` once a query column (the two
+        key rows' elements share it): an FFMA a column and an add a second-row element beside
+        the plain FFMA, where the element's form takes an add and two FFMAs."""
+        lse = (sr[e // 4 * 2 + e % 2] if sr is not None
+               else stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2])
+        dist = cols_distance(q0, key_row, lane, Lq, Lk)
+        slope = ma.slopes[0, 0] * (scale * T.float32(LOG2E))  # the raw form's slope / scale
+        if causal == "none":
+            slope = T.if_then_else(dist + (BQ - 7) <= 0, -slope, slope)
+        a = lse + slope * (T.cast(dist, "float32") + T.float32(e // 4 * 8 + e % 2))
+        a = T.if_then_else(e % 4 // 2 == 1, a - slope * T.float32(8), a)  # (a constant e)
+        return T.exp2(st[e] * (scale * T.float32(LOG2E)) - a)
+
     @T.macro
     def probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc, sr=None):
         """P^T of a complete S^T: rounded to the input dtype (``p``; as float in ``st`` too,
@@ -1702,10 +1858,16 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         if mods.softcap:
             for e in T.unroll(NS * 4):
                 sc[e] = softcap_slope(st[e], scale, mods, ma)
-        for e in T.unroll(NS * 4):
-            pe = T.meta_var(prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma,
-                                   sr))
-            st[e] = pe if tile.p_once else T.cast(T.cast(pe, dtype), F32)
+        if alibi_rows and not (causal == "none" and cols_crossed(q0, key_row, lane, Lq, Lk)):
+            for e in T.unroll(NS * 4):
+                pe = T.meta_var(prob_cols(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk,
+                                          ma, sr))
+                st[e] = pe if tile.p_once else T.cast(T.cast(pe, dtype), F32)
+        else:
+            for e in T.unroll(NS * 4):
+                pe = T.meta_var(prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma,
+                                       sr))
+                st[e] = pe if tile.p_once else T.cast(T.cast(pe, dtype), F32)
         # the columns past Lq need no mask (LSE +inf there): only the causal diagonal (and,
         # under a window, its edges: _mask_needed)
         if _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq, Lk, transposed=True, mods=mods,

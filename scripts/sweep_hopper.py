@@ -620,7 +620,9 @@ def main(argv=None) -> int:
                 print(f"SASS {key.name} {t}: HGMMA {sass.count('HGMMA')}, HMMA "
                       f"{sass.count('HMMA')}, LDL/STL {sass.count('LDL') + sass.count('STL')}, "
                       f"F2F {sass.count('F2F.')}, F2FP {sass.count('F2FP')}, "
-                      f"PRMT {sass.count('PRMT')}, MUFU {sass.count('MUFU')}")
+                      f"PRMT {sass.count('PRMT')}, MUFU {sass.count('MUFU')}, FFMA "
+                      f"{sass.count('FFMA')}, FADD {sass.count('FADD')}, FMUL "
+                      f"{sass.count('FMUL')}")
     device = torch.device("cuda")
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
     rows = []
