@@ -213,13 +213,14 @@ class HopperTile:
       P^T's and dS^T's words live one wait longer (ptxas: D 64's and 96's default tiles and
       D 128 with 48-query steps keep the wgmma asynchronous; D 128's 64-query steps and D 64's
       128 serialise them, C7512). A variant to measure.
-    * ``alibi_rows`` (forward, ALiBi without a soft cap): the bias ``-slope * distance`` of
-      a thread's element split into the element's constant part, ``slope`` times its column
-      offset within the thread's columns (one FFMA with an immediate), and its row's part,
-      which the row's max and the exponent's subtrahend take once a row (a softmax is
-      invariant under a shift of a row), instead of an add and an FFMA an element. Without
-      a causal mask the distance's absolute value is linear only on one side of the
-      diagonal: the threads it crosses take the element's form.
+    * ``alibi_rows`` (forward and dQ, ALiBi without a soft cap: :class:`_ByRows`): the bias
+      ``-slope * distance`` of a thread's element split into the element's constant part,
+      ``slope`` times its column offset within the thread's columns (one FFMA with an
+      immediate), and its row's part, which the forward's row max and exponent subtrahend
+      (a softmax is invariant under a shift of a row), or dQ's LSE, take once a row —
+      instead of an add and an FFMA an element. Without a causal mask the distance's
+      absolute value is linear only on one side of the diagonal: the threads it crosses
+      take the element's form. The forward's default with ALiBi alone (:func:`alibi_rows`).
     """
 
     consumers: int = 2
@@ -345,14 +346,29 @@ plain kernel forward 1.33-1.43 -> 1.24-1.25, dQ 1.35-1.37 -> 1.17-1.18, dK/dV 1.
 tests/test_score_mods.py (caps 0.5, 5, 30 and 50 on scores up to ~100) on the H200."""
 
 
+def alibi_rows(key: KernelKey) -> bool:
+    """Whether ``key`` takes ALiBi by rows (``HopperTile.alibi_rows``): the forward with
+    ALiBi alone (no soft cap, no window). H100, bf16, GQA 1, the kernel alone, TFLOP/s N 4096
+    / 16384, element's form -> by rows: D 64 unmasked 400 / 442 -> 414 / 470, causal 318 /
+    401 -> 337 / 420; D 128 unmasked 541 / 573 -> 575 / 587, causal 424 / 480 -> 476 / 557
+    (plain: 455 / 497, 366 / 477, 594 / 622, 491 / 585); SASS of the D 128 causal forward:
+    FADD 258 -> 142, FFMA 260 -> 256. The dQ variant is checked (GQA 2, every causal mode)
+    but not yet timed; the same split in dK/dV (a query column's part with its LSE) measured
+    1-5% slower and was dropped (docs/journal/2026-12-01-features.md, twenty-fifth
+    session)."""
+    return key.op == "fwd" and key.alibi and not (key.softcap or key.window)
+
+
 def tile(key: KernelKey) -> HopperTile:
     """The default tile of ``key`` (:func:`_tile`), its causal blocks grouped for the L2
     (:data:`L2_GROUP_BYTES`) where they are dense, without a window and D <= 128 (a window
     bounds the keys a tile streams anyway, and the grouped order cost the windowed causal
-    forward at D 128 4 bytes of spill: ptxas)."""
+    forward at D 128 4 bytes of spill: ptxas); ALiBi by rows where :func:`alibi_rows`."""
     chosen = _tile(key)
     if key.softcap:
         chosen = dataclasses.replace(chosen, tanh=SOFTCAP_TANH)
+    if alibi_rows(key):
+        chosen = dataclasses.replace(chosen, alibi_rows=True)
     if key.causal != "none" and not (key.varlen or key.window) and key.head_dim <= 128:
         return dataclasses.replace(chosen, l2_bytes=L2_GROUP_BYTES)
     return chosen
@@ -622,7 +638,7 @@ def _sm_count(persistent: bool):
 
 
 def _score(s, scale, mods: Mods, ma, causal: str, row, col, Lq, Lk, offset, unit: float,
-           scaled: bool = True, tanh_value=None):
+           scaled: bool = True):
     """Element ``s``'s modified score (``common.modified_score``; the slope in
     ``ma.slopes[0, 0]``) in ``unit``s (``LOG2E``: an exp2's argument). ALiBi without a soft
     cap takes the raw form (the slope register holds ``slope / scale``:
@@ -633,36 +649,7 @@ def _score(s, scale, mods: Mods, ma, causal: str, row, col, Lq, Lk, offset, unit
     if mods.alibi and not mods.softcap:
         raw = modified_score(*at, raw=True)
         return raw * (scale * T.float32(unit)) if scaled else raw
-    if scaled:
-        return modified_score(*at, unit=unit, tanh_value=tanh_value)
-    return modified_score(*at, tanh_value=tanh_value) * T.float32(unit)
-
-
-_TANH2 = """__device__ __forceinline__ unsigned tvmf_tanh2(float a, float b) {
-  unsigned r;  // no volatile: nvcc computes a pair's tanh once for both of its halves
-  asm("{.reg .b32 p; cvt.rn.f16x2.f32 p, %2, %1; tanh.approx.f16x2 %0, p;}"
-      : "=r"(r) : "f"(a), "f"(b));
-  return r;
-}
-"""
-_HALF = """__device__ __forceinline__ float tvmf_half(unsigned r, int hi) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)(hi ? r >> 16 : r & 0xffff)));
-  return f;
-}
-"""
-
-
-def _tanh_pair(a, b):
-    """The soft cap's ``f16x2`` form: ``tanh`` of ``a`` and ``b`` by one
-    ``tanh.approx.f16x2``, as float16 halves of a 32-bit word (``a`` the low one)."""
-    return T.cuda.func_call("tvmf_tanh2", a, b, source_code=_TANH2, return_type="uint32")
-
-
-def _half(word, half):
-    """Half ``half`` (0: low) of :func:`_tanh_pair`'s word, held as a float32's bits."""
-    return T.cuda.func_call("tvmf_half", T.reinterpret("uint32", word), T.int32(half),
-                            source_code=_HALF, return_type="float32")
+    return modified_score(*at, unit=unit) if scaled else modified_score(*at) * T.float32(unit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -979,14 +966,6 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         elif alibi_rows:  # the element's part; the row's part below
             for i in T.unroll(NS * 4):
                 s[i] = by_rows.element(s[i], i, row, k0, lane, Lq, Lk, ma)
-        elif rescored and tile.tanh == "f16x2":  # msub (free here): a pair's two tanh
-            for i in T.unroll(NS * 4):
-                if i % 2 == 0:
-                    msub[0] = T.reinterpret("float32", _tanh_pair(
-                        s[i] * (scale / ma.cap), s[i + 1] * (scale / ma.cap)))
-                s[i] = _score(s[i], scale, mods, ma, causal, row + i % 4 // 2 * 8,
-                              k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2), LOG2E,
-                              scaled=False, tanh_value=_half(msub[0], i % 2))
         elif rescored:
             for i in T.unroll(NS * 4):
                 s[i] = _score(s[i], scale, mods, ma, causal, row + i % 4 // 2 * 8,
@@ -1334,11 +1313,10 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if not 0 <= chosen.exp2_fma <= 8 or chosen.exp2_fma and key.op != "fwd":
         raise ValueError(f"{key.name}: tile {chosen}: exp2_fma is the forward's, 0 to 8 of "
                          "every 8 scores")
-    if chosen.alibi_rows and (not key.alibi or key.softcap or key.op != "fwd" and chosen.clamp
-                              or key.op == "dkv" and (chosen.split or chosen.dq)):
-        raise ValueError(f"{key.name}: tile {chosen}: alibi_rows is for ALiBi without a soft "
-                         "cap, in the forward and the unclamped dQ and dK/dV (not split, "
-                         "without the fused dQ)")
+    if chosen.alibi_rows and (not key.alibi or key.softcap or key.op == "dkv"
+                              or key.op == "dq" and chosen.clamp):
+        raise ValueError(f"{key.name}: tile {chosen}: alibi_rows is the forward's and the "
+                         "unclamped dQ's, for ALiBi without a soft cap")
     for field in ("overlap", "stats_early"):  # written into the plain dK/dV step only
         if getattr(chosen, field) and (key.op != "dkv" or chosen.split or chosen.dq):
             raise ValueError(f"{key.name}: tile {chosen}: {field} is the dK/dV's, neither "
@@ -1354,9 +1332,6 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
         raise ValueError(f"{key.name}: tile {chosen}: tanh must be one of {TANH_FORMS}")
     if chosen.tanh != "exp2" and not key.softcap:
         raise ValueError(f"{key.name}: tile {chosen}: a tanh form is for keys with a soft cap")
-    if chosen.tanh == "f16x2" and key.op != "fwd":
-        raise ValueError(f"{key.name}: tile {chosen}: the f16x2 tanh pairs the forward's "
-                         "scores")
     if chosen.smem_bytes(key.head_dim, key.op) > SMEM_LIMIT:
         raise ValueError(f"{key.name}: tile {chosen} needs "
                          f"{chosen.smem_bytes(key.head_dim, key.op)} bytes of shared memory, "
@@ -1774,7 +1749,6 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
     D, dtype, causal, group = key.head_dim, key.dtype, key.causal, key.group
     # the plain tile only (MODS_WRITTEN)
     mods = Mods(key.window, key.softcap, key.alibi, tile.tanh)
-    alibi_rows = tile.alibi_rows  # (``kernel`` checks)
     varlen = key.varlen  # packed sequences: the plain tile only (VARLEN_WRITTEN)
     BN, BQ, ST, NC, SPLIT = tile.rows, tile.step, tile.stages, tile.consumers, tile.split
     NT = tile.threads
@@ -1819,35 +1793,6 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
             return T.exp2(score - lse)
         return exp2_clamped((score - lse) * T.float32(LOG2E))
 
-    def cols_distance(q0, key_row, lane, Lq, Lk):
-        """ALiBi by columns (``tile.alibi_rows`` in dK/dV): the distance ``query + diagonal
-        - key`` of this thread's first element (key ``key_row``, query ``q0 + lane % 4 * 2``);
-        element ``e``'s is this plus ``8 (e // 4) + e % 2`` (its query column's part) less
-        ``8 (e % 4 // 2)`` (its key row's), so a thread's lie in ``[E - 8, E + step - 7]``."""
-        return q0 + lane % 4 * 2 + diagonal(causal, Lq, Lk) - key_row
-
-    def cols_crossed(q0, key_row, lane, Lq, Lk):
-        """Whether the diagonal crosses the thread's elements (never under a causal mask):
-        those take the element's form."""
-        e = cols_distance(q0, key_row, lane, Lq, Lk)
-        return T.And(e < 8, e + (BQ - 7) > 0)
-
-    def prob_cols(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma, sr=None):
-        """P^T of element ``e`` under ALiBi by columns, where the thread's distances share a
-        sign: ``exp2(S K - A + 8 r slope K)`` (``K = scale log2 e``, ``r = e % 4 // 2``)
-        with ``A = LSE + slope K (E + 8 (e // 4) + e % 2)`` once a query column (the two
-        key rows' elements share it): an FFMA a column and an add a second-row element beside
-        the plain FFMA, where the element's form takes an add and two FFMAs."""
-        lse = (sr[e // 4 * 2 + e % 2] if sr is not None
-               else stats[sg, 0, e // 4 * 8 + lane % 4 * 2 + e % 2])
-        dist = cols_distance(q0, key_row, lane, Lq, Lk)
-        slope = ma.slopes[0, 0] * (scale * T.float32(LOG2E))  # the raw form's slope / scale
-        if causal == "none":
-            slope = T.if_then_else(dist + (BQ - 7) <= 0, -slope, slope)
-        a = lse + slope * (T.cast(dist, "float32") + T.float32(e // 4 * 8 + e % 2))
-        a = T.if_then_else(e % 4 // 2 == 1, a - slope * T.float32(8), a)  # (a constant e)
-        return T.exp2(st[e] * (scale * T.float32(LOG2E)) - a)
-
     @T.macro
     def probs(st, p, stats, sg, q0, key_row, row0, lane, scale, Lq, Lk, ma, sc, sr=None):
         """P^T of a complete S^T: rounded to the input dtype (``p``; as float in ``st`` too,
@@ -1858,16 +1803,10 @@ def flash_dkv(key: KernelKey, tile: HopperTile):
         if mods.softcap:
             for e in T.unroll(NS * 4):
                 sc[e] = softcap_slope(st[e], scale, mods, ma)
-        if alibi_rows and not (causal == "none" and cols_crossed(q0, key_row, lane, Lq, Lk)):
-            for e in T.unroll(NS * 4):
-                pe = T.meta_var(prob_cols(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk,
-                                          ma, sr))
-                st[e] = pe if tile.p_once else T.cast(T.cast(pe, dtype), F32)
-        else:
-            for e in T.unroll(NS * 4):
-                pe = T.meta_var(prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma,
-                                       sr))
-                st[e] = pe if tile.p_once else T.cast(T.cast(pe, dtype), F32)
+        for e in T.unroll(NS * 4):
+            pe = T.meta_var(prob_t(st, e, stats, sg, q0, key_row, lane, scale, Lq, Lk, ma,
+                                   sr))
+            st[e] = pe if tile.p_once else T.cast(T.cast(pe, dtype), F32)
         # the columns past Lq need no mask (LSE +inf there): only the causal diagonal (and,
         # under a window, its edges: _mask_needed)
         if _mask_needed(causal, row0, 64, q0, BQ, q0 + BQ, Lq, Lk, transposed=True, mods=mods,

@@ -422,37 +422,38 @@ def test_alibi_alone_biases_the_raw_score(op):
 
 
 
-@pytest.mark.parametrize("op", ["fwd", "dq", "dkv"])
+@pytest.mark.parametrize("op", ["fwd", "dq"])
 def test_alibi_by_rows(op):
-    """``HopperTile(alibi_rows=True)``: ALiBi's bias split into the element's constant part
-    (its offset among the thread's columns times the slope: an FFMA with an immediate) and a
-    part shared by a row (forward: the max and the exponent's subtrahend; dQ: the LSE) or, in
-    dK/dV, by a query column (with its LSE, once for the two key rows). Under a causal mask
-    no element converts a distance; without one the threads the diagonal crosses keep the
-    element's form (its absolute value). Within registers (ptxas)."""
+    """``HopperTile(alibi_rows=True)`` (the forward's default with ALiBi alone,
+    ``cuda_hopper.alibi_rows``; a dQ variant): ALiBi's bias split into the element's constant
+    part (its offset among the thread's columns times the slope: an FFMA with an immediate)
+    and a row's part, taken once a row (forward: the max and the exponent's subtrahend; dQ:
+    the LSE). Under a causal mask no element converts a distance; without one the threads
+    the diagonal crosses keep the element's form (its absolute value). Within registers
+    (ptxas); dK/dV, soft-capped and plain keys refuse it, as does the clamped dQ."""
     for causal in ("top-left", "none"):
         key = KernelKey(op, 128, "bfloat16", causal, 1, "cuda-sm_90a", alibi=True)
-        base, src = _source(key), _variant_source(key, alibi_rows=True)
-        assert src != base
+        assert hopper.tile(key).alibi_rows == (op == "fwd")
+        src = _variant_source(key, alibi_rows=True)
         if causal == "none":
             assert src.count("fabsf(") >= 16
-        else:
+        else:  # element 5's column offset 9, an immediate times the slope
             assert "fabsf(" not in src
-        if op != "dkv" and causal != "none":  # element 5's column offset 9, an immediate
             assert "+ (sl_ptr[0] * 0x1.2p+3f/*9.000000e+00*/)" in src
         if shutil.which("nvcc"):
             spilled, notes, _ = _ptxas(src)
             assert spilled <= SPILL_ALLOWANCE.get((op, 128, causal), 0) and not notes
-    for bad, fields in ((KernelKey(op, 64, "bfloat16", "none", 1, "cuda-sm_90a"), {}),
-                        (KernelKey(op, 64, "bfloat16", "none", 1, "cuda-sm_90a", softcap=True,
-                                   alibi=True), {}),
-                        (KernelKey(op, 64, "bfloat16", "none", 1, "cuda-sm_90a", alibi=True),
-                         {"clamp": True} if op != "fwd" else None)):
-        if fields is None:
-            continue
+    bad = [KernelKey(op, 64, "bfloat16", "none", 1, "cuda-sm_90a", **mods) for mods in
+           ({}, {"softcap": True, "alibi": True})]
+    bad.append(KernelKey("dkv", 64, "bfloat16", "none", 1, "cuda-sm_90a", alibi=True))
+    for key in bad:
         with pytest.raises(ValueError, match="alibi_rows"):
-            hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), alibi_rows=True,
-                                                   **fields))
+            hopper.kernel(key, dataclasses.replace(hopper.tile(key), alibi_rows=True))
+    if op == "dq":
+        key = KernelKey(op, 64, "bfloat16", "none", 1, "cuda-sm_90a", alibi=True)
+        with pytest.raises(ValueError, match="alibi_rows"):
+            hopper.kernel(key, dataclasses.replace(hopper.tile(key), alibi_rows=True,
+                                                   clamp=True))
 
 def test_dkv_probabilities_converted_once():
     """``HopperTile(p_once=True)`` (the default of every dK/dV tile but the split one): P^T
@@ -597,9 +598,8 @@ def test_tanh_forms_of_the_soft_cap(op):
     one such instruction under nvcc's fast math, where the exp2 form (``tanh="exp2"``, the
     float32-accurate one the other families use) takes an exp2 and a division; ``fma`` and
     ``rcp`` move the exponential or the division's reciprocal to the FMA pipe (variants, each
-    value bound once: every op lowers them, dQ and dK/dV also in ``1 - tanh^2``); ``f16x2``
-    (the forward's) takes a pair of scores a ``tanh.approx.f16x2``; keys without a soft cap
-    refuse them."""
+    value bound once: every op lowers them, dQ and dK/dV also in ``1 - tanh^2``); keys without
+    a soft cap refuse them."""
     key = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a", softcap=True)
     assert hopper.tile(key).tanh == hopper.SOFTCAP_TANH == "approx"
     src = _source(key)
@@ -611,14 +611,6 @@ def test_tanh_forms_of_the_soft_cap(op):
     fma, rcp = _variant_source(key, tanh="fma"), _variant_source(key, tanh="rcp")
     assert fma.count("float e2_x") >= 16 and fma.count("exp2f(") < accurate.count("exp2f(")
     assert rcp.count("float rc_d") >= 16 and rcp.count(division) == 0
-    if op == "fwd":  # one tanh.approx.f16x2 a pair of a row's adjacent scores
-        f16x2 = _variant_source(key, tanh="f16x2")
-        assert "tanh.approx.f16x2" in f16x2 and not re.findall(r"\btanhf\(", f16x2)
-        calls = f16x2.count("tvmf_tanh2(") - 1, f16x2.count("tvmf_half(") - 1  # (defined)
-        assert calls[0] * 2 == calls[1] >= 64
-    else:
-        with pytest.raises(ValueError, match="f16x2"):
-            hopper.kernel(key, dataclasses.replace(hopper.tile(key), tanh="f16x2"))
     plain = KernelKey(op, 128, "bfloat16", "none", 1, "cuda-sm_90a")
     with pytest.raises(ValueError, match="a tanh form is for keys with a soft cap"):
         hopper.kernel(plain, dataclasses.replace(hopper.tile(plain), tanh="approx"))

@@ -241,16 +241,14 @@ def visible(causal: str, row, col, lq, lk, end=None, mods: Mods = NO_MODS, ma=No
     return conds[0] if len(conds) == 1 else tirx.all(*conds)
 
 
-TANH_FORMS = ("exp2", "approx", "fma", "rcp", "f16x2")
+TANH_FORMS = ("exp2", "approx", "fma", "rcp")
 """The forms of :func:`tanh`: the exp2 one (two special-function operations: the exponential
 and the division's reciprocal), the hardware's (``tanh.approx.f32``, one; relative error
 about 2^-11, so a soft cap of 30 moves a score by up to 0.015), and the exp2 one with one
 of its two operations on the FMA pipe at the same accuracy: ``fma`` the exponential
 (:func:`exp2_fma`; as TVM printed it before its values were bound once the soft-capped
 kernels ran 9–24x slower on the H200, docs/results/hopper-sweeps-v8.json), ``rcp`` the
-reciprocal (:func:`rcp_fma`); ``f16x2`` the hardware's on two scores at once
-(``tanh.approx.f16x2``, float16 arguments and results), which a kernel pairs itself
-(``modified_score(tanh_value=...)``). The last three are variants to measure, not served."""
+reciprocal (:func:`rcp_fma`). The last two are variants to measure, not served."""
 
 
 def tanh(x, form: str = "exp2"):
@@ -265,8 +263,6 @@ def tanh(x, form: str = "exp2"):
     saturates to +-1 (an infinite exponential gives 1, a zero one -1) and keeps a NaN."""
     if form == "approx":
         return T.tanh(x)
-    if form == "f16x2":
-        raise ValueError("tanh form 'f16x2' takes two scores: the kernel pairs them")
     if form == "rcp":  # the exponent clamped to 64 (tanh is 1 in float32 from 9), NaN kept;
         # bound once like rcp_fma's values (the select reads it twice)
         t = tirx.Var("th_t", "float32")
@@ -278,7 +274,7 @@ def tanh(x, form: str = "exp2"):
 
 
 def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk,
-                   offset=0, unit: float = 1.0, raw: bool = False, tanh_value=None):
+                   offset=0, unit: float = 1.0, raw: bool = False):
     """The scaled score ``s * scale`` (natural-log units) with ``mods``' soft cap and ALiBi
     bias (:data:`tvm_flash.key.MODS`); ``h``: the query head (its slope). ``offset``: a
     constant added to the query's distance from the key, ``row + diagonal - col``: a kernel
@@ -296,10 +292,7 @@ def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk
     where the scaled form takes a multiply more. Under a causal mask the distance of every
     visible key is >= 0, so its absolute value is not taken: the caller must overwrite the
     masked elements (it does: -inf before the softmax, 0 for P), never scale them by a 0/1
-    mask. ``scale`` and ``unit`` are not used.
-
-    ``tanh_value``: the soft cap's ``tanh(s * scale / cap)``, computed by the caller (the
-    ``f16x2`` form, :data:`TANH_FORMS`)."""
+    mask. ``scale`` and ``unit`` are not used."""
 
     def times_unit(x):
         return x if unit == 1.0 else x * T.float32(unit)
@@ -316,8 +309,7 @@ def modified_score(s, scale, mods: Mods, ma, causal: str, b, h, row, col, lq, lk
         return s - ma.slopes[b, h] * distance(signed=causal != "none")
     t = s * times_unit(scale)
     if mods.softcap:
-        th = tanh(s * (scale / ma.cap), mods.tanh) if tanh_value is None else tanh_value
-        t = th * times_unit(ma.cap)
+        t = tanh(s * (scale / ma.cap), mods.tanh) * times_unit(ma.cap)
     if mods.alibi:
         t = t - times_unit(ma.slopes[b, h]) * distance()
     return t
