@@ -875,7 +875,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     # scores rewritten before the softmax: in base 2 under a soft cap; ALiBi alone in the raw
     # score's units (modified_score's raw form), scaled as a plain score
     rescored = mods.softcap or mods.alibi
-    alibi_rows, by_rows = tile.alibi_rows, _ByRows(causal, tile.step)  # (``kernel`` checks)
+    rows_form, by_rows = tile.alibi_rows, _ByRows(causal, tile.step)  # (``kernel`` checks)
     varlen = key.varlen  # packed sequences (``tvm_flash.kernels.forward.flash_forward``)
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
@@ -946,6 +946,15 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         return T.if_then_else(by_rows.crossed(row, k0, lane, Lq, Lk), T.float32(0), b)
 
     @T.macro
+    def rescore(s, row, k0, lane, Lq, Lk, scale, ma):
+        """S_j's modified scores, each element by ``modified_score`` (in base 2 under a soft
+        cap; ALiBi alone in the raw score's units)."""
+        for i in T.unroll(NS * 4):
+            s[i] = _score(s[i], scale, mods, ma, causal, row + i % 4 // 2 * 8,
+                          k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2), LOG2E,
+                          scaled=False)
+
+    @T.macro
     def softmax(s, p, acc, m, mn, msub, lsum, bars, j, g, row, lane, scale2, elected,
                 Lq, Lk, c, scale, ma):
         """S_j (ring slot ``g``) is complete: release K_j, online softmax in place; once
@@ -958,19 +967,13 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         pin(s, NS * 4)
         if elected:
             T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EK + g % ST]))
-        if alibi_rows and causal == "none" and by_rows.crossed(row, k0, lane, Lq, Lk):
-            for i in T.unroll(NS * 4):  # the diagonal crosses this thread's elements
-                s[i] = _score(s[i], scale, mods, ma, causal, row + i % 4 // 2 * 8,
-                              k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2), LOG2E,
-                              scaled=False)
-        elif alibi_rows:  # the element's part; the row's part below
+        if rows_form and causal == "none" and by_rows.crossed(row, k0, lane, Lq, Lk):
+            rescore(s, row, k0, lane, Lq, Lk, scale, ma)  # the diagonal crosses the thread
+        elif rows_form:  # the element's part; the row's part below
             for i in T.unroll(NS * 4):
                 s[i] = by_rows.element(s[i], i, row, k0, lane, Lq, Lk, ma)
         elif rescored:
-            for i in T.unroll(NS * 4):
-                s[i] = _score(s[i], scale, mods, ma, causal, row + i % 4 // 2 * 8,
-                              k0 + lane % 4 * 2, Lq, Lk, -(i // 4 * 8 + i % 2), LOG2E,
-                              scaled=False)
+            rescore(s, row, k0, lane, Lq, Lk, scale, ma)
         if _mask_needed(causal, c[3], BM, k0, BK, Lk, Lq, Lk, mods=mods, ma=ma):
             for i in T.unroll(NS * 4):
                 if not visible(causal, row + i % 4 // 2 * 8,
@@ -978,11 +981,11 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                     s[i] = neg_inf()
         for r in T.unroll(2):
             mn[r] = _row_tree(T.max, s, r, NS)
-            if alibi_rows:  # the thread's row part, before the quad's max (crossed: 0) ...
+            if rows_form:  # the thread's row part, before the quad's max (crossed: 0) ...
                 mn[r] = mn[r] - row_part(r, row, k0, lane, Lq, Lk, ma)
             quad_reduce(mn, r, T.max)
             mn[r] = T.max(m[r], mn[r] * scale2)
-            if alibi_rows:  # ... and into the exponent's subtrahend
+            if rows_form:  # ... and into the exponent's subtrahend
                 msub[r] = (T.if_then_else(mn[r] == neg_inf(), T.float32(0), mn[r])
                            + row_part(r, row, k0, lane, Lq, Lk, ma) * scale2)
             else:
@@ -1374,7 +1377,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
     dP completed."""
     D, dtype, causal = key.head_dim, key.dtype, key.causal
     mods = Mods(key.window, key.softcap, key.alibi, tile.tanh)
-    alibi_rows, by_rows = tile.alibi_rows, _ByRows(causal, tile.step)  # (``kernel`` checks)
+    rows_form, by_rows = tile.alibi_rows, _ByRows(causal, tile.step)  # (``kernel`` checks)
     varlen = key.varlen  # packed sequences, as the forward's
     BM, BK, ST, NC = tile.rows, tile.step, tile.stages, tile.consumers
     NT = tile.threads
@@ -1462,7 +1465,7 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         else:
             T.ptx.wgmma.wait_group.sync.aligned(2 if dq_in_flight else 1)  # S_j done
             pin(s, NS * 4)
-            if alibi_rows and not (causal == "none" and by_rows.crossed(row, k0, lane, Lq, Lk)):
+            if rows_form and not (causal == "none" and by_rows.crossed(row, k0, lane, Lq, Lk)):
                 for i in T.unroll(NS * 4):  # the element's part; the row's part in the LSE
                     s[i] = T.exp2(by_rows.element(s[i], i, row, k0, lane, Lq, Lk, ma)
                                   * (scale * T.float32(LOG2E))
