@@ -221,6 +221,14 @@ class HopperTile:
       instead of an add and an FFMA an element. Without a causal mask the distance's
       absolute value is linear only on one side of the diagonal: the threads it crosses
       take the element's form. The forward's default with ALiBi alone (:func:`alibi_rows`).
+    * ``chained`` (a persistent forward, not packed sequences): a block's query tiles follow
+      each other without a gap on the tensor cores — the next tile's first S = Q K^T is issued
+      with this tile's last P V, and its softmax runs while that P V does (in the plain form
+      the tensor cores wait out the first softmax of every tile). Two Q buffers (the next
+      tile's Q loads while this one's is read), each with its full and empty mbarriers; a
+      tile's LSE is written before the next one is located, its O after the next one's first
+      softmax. Worth most where tiles walk few keys: short calls, windows. A variant to
+      measure.
     """
 
     consumers: int = 2
@@ -242,6 +250,7 @@ class HopperTile:
     dq_order: str = "key"
     dq_pad: bool = False
     alibi_rows: bool = False
+    chained: bool = False
 
     @property
     def rows(self) -> int:
@@ -254,8 +263,8 @@ class HopperTile:
     def smem_bytes(self, d: int, op: str = "fwd") -> int:
         """Forward: Q tile + the K/V ring; dQ: Q and dO tiles + the K/V ring; dK/dV: K and V
         tiles + the Q/dO ring and its LSE/Delta; + 8 bytes per mbarrier (rounded to 1 KiB)."""
-        if op == "fwd":  # (tma_store: O's tile)
-            tiles = 2 * d * (self.rows * (2 if self.tma_store else 1)
+        if op == "fwd":  # (tma_store: O's tile; chained: a second Q tile)
+            tiles = 2 * d * (self.rows * (1 + self.tma_store + self.chained)
                              + 2 * self.stages * self.step)
         else:
             tiles = 2 * d * (2 * self.rows + 2 * self.stages * self.step)
@@ -888,12 +897,15 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     mma_s = f"wgmma.mma_async.sync.aligned.m64n{BK}k16.f32.{ab}.{ab}"
     mma_o = f"wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab}"
     q_bytes, kv_bytes = BM * D * 2, BK * D * 2
-    k_off = q_bytes
+    chained = tile.chained  # two Q buffers, the next tile's first S with the last P V
+    k_off = q_bytes * (2 if chained else 1)
     v_off = k_off + ST * kv_bytes
     o_off = v_off + ST * kv_bytes  # tile.tma_store: O's tile, 64 rows a consumer
     TS = tile.tma_store
     bar_off = o_off + (BM * D * 2 if TS else 0)
-    NB = 2 + 4 * ST  # Q full; K full, V full, K empty, V empty per stage; Q empty
+    # Q full; K full, V full, K empty, V empty per stage; Q empty (chained: Q full and Q empty
+    # of the second Q buffer after them)
+    NB = 2 + 4 * ST + (2 if chained else 0)
     pool_bytes = bar_off + 8 * NB
     # descriptor strides (16-byte units): K-major Q and K, 8-row groups 8 ROW apart (SBO);
     # V read MN-major: its atoms (head-dim columns) a stage's rows apart (LBO), 8-row groups
@@ -901,6 +913,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     v_ldo, v_sdo = BK * ROW, 8 * ROW
     FK, FV, EK, EV = 1, 1 + ST, 1 + 2 * ST, 1 + 3 * ST  # first barrier of each kind
     QE = 1 + 4 * ST
+    QF1 = 2 + 4 * ST  # (chained) the second Q buffer's full and empty barriers: QF1, QF1 + 1
     regs_consumer = consumer_regs(NC)
     exp2 = exp2_clamped if tile.clamp else T.exp2
 
@@ -937,6 +950,15 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         if do_pv:
             gemm_rs(mma_o, acc, NO * 4, pw, dv[0], BK // 16, ROW)
 
+    @T.macro
+    def pv_done(acc, bars, g, elected):
+        """Wait for every product issued (the last, P V of ring slot ``g``) and release its
+        V."""
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        pin(acc, NO * 4)
+        if elected:
+            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EV + g % ST]))
+
     def row_part(r, row, k0, lane, Lq, Lk, ma):
         """ALiBi by rows: the part of row ``r``'s bias the elements left out (none where the
         diagonal crosses them)."""
@@ -956,13 +978,15 @@ def flash_forward(key: KernelKey, tile: HopperTile):
 
     @T.macro
     def softmax(s, p, acc, m, mn, msub, lsum, bars, j, g, row, lane, scale2, elected,
-                Lq, Lk, c, scale, ma):
+                Lq, Lk, c, scale, ma, last_pv: bool = False, rescale: bool = True):
         """S_j (ring slot ``g``) is complete: release K_j, online softmax in place; once
         P_{j-1} V_{j-1} is complete, release V_{j-1}, rescale O and round P_j into the
         registers it read. Score modifiers (``ma``: their arguments, the slope in a register)
         rewrite S_j in base 2 first; under a window the key tiles are counted from ``c[6]``
         and a step is masked where it crosses an edge (:func:`_mask_needed`).
-        ``tile.clamp`` off: exp2 of the scores unclamped (``HopperTile``)."""
+        ``tile.clamp`` off: exp2 of the scores unclamped (``HopperTile``). ``last_pv``
+        (chained, ``j`` 0): the P V to wait for is the last tile's; ``rescale`` off: O is not
+        this tile's yet (chained) or still zero, left as it is."""
         k0 = T.meta_var((j + c[6] // BK) * BK if mods.window else j * BK)
         pin(s, NS * 4)
         if elected:
@@ -999,17 +1023,78 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             m[r] = T.if_then_else(mn[r] == neg_inf(), T.float32(1),
                                   exp2(m[r] - mn[r]))
             lsum[r] = lsum[r] * m[r] + _row_tree(T.Add, s, r, NS)
-        if j > 0:
-            T.ptx.wgmma.wait_group.sync.aligned(0)  # P_{j-1} V_{j-1} done
-            pin(acc, NO * 4)
-            if elected:
-                T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EV + (g - 1) % ST]))
-        for i in T.unroll(NO * 4):  # O times its rows' factors
-            acc[i] = acc[i] * m[_lane_row(i, NO)]
+        if last_pv:
+            pv_done(acc, bars, g - 1, elected)
+        elif j > 0:
+            pv_done(acc, bars, g - 1, elected)  # P_{j-1} V_{j-1}
+        if rescale:
+            for i in T.unroll(NO * 4):  # O times its rows' factors
+                acc[i] = acc[i] * m[_lane_row(i, NO)]
         for r in T.unroll(2):
             m[r] = mn[r]
         for i in T.unroll(NS * 4):
             p[i] = T.cast(s[i], dtype)
+
+    @T.macro
+    def begin(acc, m, lsum, sl, c, sq, lane, Slopes, Sinks, scale, zero_acc: bool):
+        """A query tile's start: its ALiBi slope, O zero (``zero_acc``), the running max and
+        sum (a sink's logit, or none)."""
+        if mods.alibi:
+            sl[0, 0] = alibi_slope_raw(mods, Slopes[sq[4] if varlen else c[0], c[1]], scale)
+        if zero_acc:
+            for i in T.unroll(NO * 4):
+                acc[i] = T.float32(0)
+        for r in T.unroll(2):
+            if sinks:
+                m[r] = Sinks[c[1]] * T.float32(LOG2E)
+                lsum[r] = T.if_then_else(lane % 4 == 0, T.float32(1), T.float32(0))
+            else:
+                m[r] = neg_inf()
+                lsum[r] = T.float32(0)
+
+    @T.macro
+    def store(Os, Of, omap, LSE, acc, inv, m, lsum, b, h, q0, sq, it, cw, lane, tx, elected,
+              Lq, ob, oh, ol, lse: bool):
+        """Query tile ``it`` (batch ``b``, head ``h``, first row ``q0``) out: O times ``inv``
+        (the rows' 1 / sums) and, with ``lse``, its LSE from ``m`` and ``lsum``.
+        ``tile.tma_store``: O into this consumer's shared tile, swizzled as the tensor map
+        reads it (_swizzled), then one bulk store per atom; rows past Lq are outside the map
+        and not written. The tile is rewritten only once the last tile's store has read it."""
+        row = T.meta_var(q0 + cw * 64 + tx % WG // 32 * 16 + lane // 4)  # + 8 r
+        if TS:
+            orl = T.meta_var(tx % WG // 32 * 16 + lane // 4)  # + 8 r
+            if it > 0:
+                if elected:
+                    T.ptx["cp.async.bulk.wait_group.read"](0)
+                T.ptx.barrier.sync.aligned(T.cast(1 + cw, "uint32"), WG)
+            for r in T.unroll(2):
+                for n in T.unroll(NO):
+                    for e in T.vectorized(2):
+                        Os[cw, n * 8 // ATOM, orl + r * 8,
+                           _swizzled(n % (ATOM // 8), lane // 4 + r * 8) * 8
+                           + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e] * inv[r],
+                                                        dtype)
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.ptx.barrier.sync.aligned(T.cast(1 + cw, "uint32"), WG)
+            if elected:
+                for a in T.unroll(NA):
+                    T.ptx[_TMA_STORE](T.address_of(omap), a * ATOM,
+                                      T.cast(q0 + cw * 64, "int32"),
+                                      T.cast(h, "int32"), T.cast(b, "int32"),
+                                      T.address_of(Os[cw, a, 0, 0]))
+                T.ptx["cp.async.bulk.commit_group"]()
+        for r in T.unroll(2):
+            if row + r * 8 < (sq[1] if varlen else Lq):
+                orow = T.meta_var(row + r * 8 + sq[0] if varlen else row + r * 8)
+                if not TS:
+                    for n in T.unroll(NO):
+                        for e in T.vectorized(2):
+                            Of[b * ob + h * oh + orow * ol + n * 8
+                               + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e]
+                                                            * inv[r], dtype)
+                if lse:
+                    if lane % 4 == 0:
+                        LSE[b, h, orow] = row_lse(m[r], lsum[r])
 
     locate = _locator(causal, BM, BK, group, mods, varlen, tile.l2_bytes, 4 * D)
 
@@ -1060,6 +1145,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         pool = T.alloc_buffer((pool_bytes,), "uint8", scope="shared.dyn", align=1024)
         Qs = T.decl_buffer((NA, BM, ATOM), dtype, data=pool.data, elem_offset=0,
                            scope="shared.dyn")
+        Q2 = T.decl_buffer((2, NA, BM, ATOM), dtype, data=pool.data, elem_offset=0,
+                           scope="shared.dyn")  # (chained) both Q buffers
         Ks = T.decl_buffer((ST, NA, BK, ATOM), dtype, data=pool.data, elem_offset=k_off // 2,
                            scope="shared.dyn")
         Vs = T.decl_buffer((ST, NA, BK, ATOM), dtype, data=pool.data, elem_offset=v_off // 2,
@@ -1079,8 +1166,12 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         mine = T.meta_var(_mine(total, grid, bx, tile.persistent))
         if tx == 0:
             for i in T.unroll(NB):
-                T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
-                                               T.uint32(1 if i < EK else NC))
+                if chained:
+                    T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
+                                                   T.uint32(1 if i < EK or i == QF1 else NC))
+                else:
+                    T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
+                                                   T.uint32(1 if i < EK else NC))
             T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
         c[5] = T.int64(0)
@@ -1093,15 +1184,27 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                            ModArgs(Slopes, window_left, window_right, softcap),
                            sq if varlen else None, CuQ, CuK)
                     # the Q tile is reloaded once both consumers' products with it completed
-                    if it > 0:
-                        T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
-                                                               T.uint32(q_bytes))
-                    for a in T.unroll(NA):
-                        T.ptx[_TMA](T.address_of(Qs[a, 0, 0]), T.address_of(qmap), a * ATOM,
-                                    T.cast(c[3] + sq[0] if varlen else c[3], "int32"),
-                                    T.cast(c[1], "int32"), T.cast(c[0], "int32"),
-                                    T.address_of(bars[0]))
+                    if chained:  # into buffer it % 2, last read by tile it - 2
+                        if it > 1:
+                            T.cuda.mbarrier_wait(T.address_of(bars[QE + it % 2 * 2]),
+                                                 (it // 2 - 1) % 2)
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(
+                            T.address_of(bars[it % 2 * QF1]), T.uint32(q_bytes))
+                        for a in T.unroll(NA):
+                            T.ptx[_TMA](T.address_of(Q2[it % 2, a, 0, 0]), T.address_of(qmap),
+                                        a * ATOM, T.cast(c[3], "int32"), T.cast(c[1], "int32"),
+                                        T.cast(c[0], "int32"), T.address_of(bars[it % 2 * QF1]))
+                    else:
+                        if it > 0:
+                            T.cuda.mbarrier_wait(T.address_of(bars[QE]), (it - 1) % 2)
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[0]),
+                                                                   T.uint32(q_bytes))
+                        for a in T.unroll(NA):
+                            T.ptx[_TMA](T.address_of(Qs[a, 0, 0]), T.address_of(qmap),
+                                        a * ATOM,
+                                        T.cast(c[3] + sq[0] if varlen else c[3], "int32"),
+                                        T.cast(c[1], "int32"), T.cast(c[0], "int32"),
+                                        T.address_of(bars[0]))
                     for j in T.serial(c[4]):
                         # a slot is refilled once both consumers released its previous tile
                         g = T.meta_var(c[5] + j)
@@ -1138,97 +1241,123 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             ma = T.meta_var(ModArgs(sl if mods.alibi else None, window_left, window_right,
                                     softcap))
             elected = T.meta_var(tx % WG == 0)  # one thread per warpgroup arrives
-            _desc(dq[0], T.address_of(Qs[0, cw * 64, 0]), 1, 8 * ROW, SW)
-
-            for it in T.serial(mine):
-                locate(c, _snake(it, bx, grid, tile.persistent), nqt, heads, Hq, Lq, Lk, ma,
-                       sq if varlen else None, CuQ, CuK)
-                if mods.alibi:
-                    sl[0, 0] = alibi_slope_raw(mods, Slopes[sq[4] if varlen else c[0], c[1]],
-                                                scale)
-                for i in T.unroll(NO * 4):
-                    acc[i] = T.float32(0)
-                for r in T.unroll(2):
-                    if sinks:
-                        m[r] = Sinks[c[1]] * T.float32(LOG2E)
-                        lsum[r] = T.if_then_else(lane % 4 == 0, T.float32(1), T.float32(0))
-                    else:
-                        m[r] = neg_inf()
-                        lsum[r] = T.float32(0)
-                T.cuda.mbarrier_wait(T.address_of(bars[0]), it % 2)
-                n = T.meta_var(c[4])
-                g = T.meta_var(c[5])
-                if n > 0:
-                    # step 0: S_0 alone; steps 1..n-1: S_j = Q K_j and O += P_{j-1} V_{j-1}
-                    # in flight together; then the last P V. Peeled so that the steady loop
-                    # has no branch around a wgmma (ptxas serialises wgmma it cannot follow).
-                    issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g, g, True, False)
+            if chained:
+                # tile it's O waits for the next tile's first softmax: its 1 / sums, batch,
+                # head, first row and key tiles meanwhile
+                inv = T.alloc_buffer((2,), F32, scope="local")
+                co = T.alloc_buffer((4,), "int64", scope="local")
+                # tile 0 (every block has one): its first S alone
+                locate(c, _snake(0, bx, grid, True), nqt, heads, Hq, Lq, Lk, ma, None, CuQ, CuK)
+                begin(acc, m, lsum, sl if mods.alibi else None, c, None, lane, Slopes, Sinks,
+                      scale, True)
+                _desc(dq[0], T.address_of(Q2[0, 0, cw * 64, 0]), 1, 8 * ROW, SW)
+                T.cuda.mbarrier_wait(T.address_of(bars[0]), 0)
+                if c[4] > 0:
+                    issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, c[5], c[5], True, False)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
-                    softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), g, row, lane,
-                            scale2, elected, sq[1] if varlen else Lq, sq[3] if varlen else Lk,
-                            c, scale, ma)
+                    softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), c[5], row, lane,
+                            scale2, elected, Lq, Lk, c, scale, ma, rescale=False)
+                for it in T.serial(mine):
+                    # tile it's S_0 is in P; steps 1..n-1 as below
+                    n = T.meta_var(c[4])
+                    g = T.meta_var(c[5])
                     for j in T.serial(n - 1):
                         issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g + j + 1, g + j, True,
                               True)
                         T.ptx.wgmma.wait_group.sync.aligned(1)  # S done, P V may run on
                         softmax(s, p, acc, m, mn, msub, lsum, bars, j + 1, g + j + 1, row,
-                                lane, scale2, elected, sq[1] if varlen else Lq,
-                                sq[3] if varlen else Lk, c, scale, ma)
-                    # every S is complete: the producer may load the next query tile
+                                lane, scale2, elected, Lq, Lk, c, scale, ma)
+                    # every S with this Q buffer is complete: the producer may refill it
                     if elected:
-                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
-                    issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g + n - 1, g + n - 1, False,
-                          True)
-                    T.ptx.wgmma.wait_group.sync.aligned(0)
-                    pin(acc, NO * 4)
-                    if elected:
-                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EV + (g + n - 1)
-                                                                            % ST]))
-                elif elected:
-                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
-
-                for r in T.unroll(2):
-                    quad_reduce(lsum, r, T.Add)
-                    mn[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
-                                           T.float32(1) / lsum[r])
-                if TS:
-                    # O into this consumer's shared tile, swizzled as the tensor map reads
-                    # it (_swizzled), then one bulk store per atom; rows past Lq are outside
-                    # the map and not written. The tile is rewritten only once the last
-                    # tile's store has read it.
-                    orl = T.meta_var(tx % WG // 32 * 16 + lane // 4)  # + 8 r
-                    if it > 0:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE + it % 2 * 2]))
+                    for r in T.unroll(2):  # the tile's LSE, before the next tile's m, lsum
+                        quad_reduce(lsum, r, T.Add)
+                        inv[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
+                                                T.float32(1) / lsum[r])
+                        if row + r * 8 < Lq:
+                            if lane % 4 == 0:
+                                LSE[c[0], c[1], row + r * 8] = row_lse(m[r], lsum[r])
+                    co[0] = c[0]
+                    co[1] = c[1]
+                    co[2] = c[3]
+                    co[3] = c[4]
+                    c[5] = c[5] + c[4]
+                    if it + 1 < mine:
+                        locate(c, _snake(it + 1, bx, grid, True), nqt, heads, Hq, Lq, Lk, ma,
+                               None, CuQ, CuK)
+                        begin(acc, m, lsum, sl if mods.alibi else None, c, None, lane, Slopes,
+                              Sinks, scale, False)
+                        _desc(dq[0], T.address_of(Q2[(it + 1) % 2, 0, cw * 64, 0]), 1, 8 * ROW,
+                              SW)
+                        T.cuda.mbarrier_wait(T.address_of(bars[(it + 1) % 2 * QF1]),
+                                             (it + 1) // 2 % 2)
+                    else:
+                        c[4] = T.int64(0)
+                    # the next tile's S_0 and this one's last P V in flight together; the
+                    # next tile's first softmax while P V runs (O left as it is)
+                    if co[3] > 0 and c[4] > 0:
+                        issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, c[5], c[5] - 1, True, True)
+                        T.ptx.wgmma.wait_group.sync.aligned(1)
+                        softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), c[5], row, lane,
+                                scale2, elected, Lq, Lk, c, scale, ma, last_pv=True,
+                                rescale=False)
+                    else:
+                        if co[3] > 0:
+                            issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, c[5] - 1, c[5] - 1,
+                                  False, True)
+                            pv_done(acc, bars, c[5] - 1, elected)
+                        if c[4] > 0:
+                            issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, c[5], c[5], True,
+                                  False)
+                            T.ptx.wgmma.wait_group.sync.aligned(0)
+                            softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), c[5], row,
+                                    lane, scale2, elected, Lq, Lk, c, scale, ma, rescale=False)
+                    store(Os, Of, omap, LSE, acc, inv, m, lsum, co[0], co[1], co[2], None, it,
+                          cw, lane, tx, elected, Lq, ob, oh, ol, False)
+                    for i in T.unroll(NO * 4):
+                        acc[i] = T.float32(0)
+            else:
+                _desc(dq[0], T.address_of(Qs[0, cw * 64, 0]), 1, 8 * ROW, SW)
+                for it in T.serial(mine):
+                    locate(c, _snake(it, bx, grid, tile.persistent), nqt, heads, Hq, Lq, Lk, ma,
+                           sq if varlen else None, CuQ, CuK)
+                    begin(acc, m, lsum, sl if mods.alibi else None, c, sq if varlen else None, lane,
+                          Slopes, Sinks, scale, True)
+                    T.cuda.mbarrier_wait(T.address_of(bars[0]), it % 2)
+                    n = T.meta_var(c[4])
+                    g = T.meta_var(c[5])
+                    if n > 0:
+                        # step 0: S_0 alone; steps 1..n-1: S_j = Q K_j and O += P_{j-1} V_{j-1}
+                        # in flight together; then the last P V. Peeled so that the steady loop
+                        # has no branch around a wgmma (ptxas serialises wgmma it cannot follow).
+                        issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g, g, True, False)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        softmax(s, p, acc, m, mn, msub, lsum, bars, T.int64(0), g, row, lane,
+                                scale2, elected, sq[1] if varlen else Lq, sq[3] if varlen else Lk,
+                                c, scale, ma)
+                        for j in T.serial(n - 1):
+                            issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g + j + 1, g + j, True,
+                                  True)
+                            T.ptx.wgmma.wait_group.sync.aligned(1)  # S done, P V may run on
+                            softmax(s, p, acc, m, mn, msub, lsum, bars, j + 1, g + j + 1, row,
+                                    lane, scale2, elected, sq[1] if varlen else Lq,
+                                    sq[3] if varlen else Lk, c, scale, ma)
+                        # every S is complete: the producer may load the next query tile
                         if elected:
-                            T.ptx["cp.async.bulk.wait_group.read"](0)
-                        T.ptx.barrier.sync.aligned(T.cast(1 + cw, "uint32"), WG)
+                            T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
+                        issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g + n - 1, g + n - 1, False,
+                              True)
+                        pv_done(acc, bars, g + n - 1, elected)
+                    elif elected:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
+
                     for r in T.unroll(2):
-                        for n in T.unroll(NO):
-                            for e in T.vectorized(2):
-                                Os[cw, n * 8 // ATOM, orl + r * 8,
-                                   _swizzled(n % (ATOM // 8), lane // 4 + r * 8) * 8
-                                   + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e] * mn[r],
-                                                                dtype)
-                    T.ptx.fence.proxy.async_.shared__cta()
-                    T.ptx.barrier.sync.aligned(T.cast(1 + cw, "uint32"), WG)
-                    if elected:
-                        for a in T.unroll(NA):
-                            T.ptx[_TMA_STORE](T.address_of(omap), a * ATOM,
-                                              T.cast(c[3] + cw * 64, "int32"),
-                                              T.cast(c[1], "int32"), T.cast(c[0], "int32"),
-                                              T.address_of(Os[cw, a, 0, 0]))
-                        T.ptx["cp.async.bulk.commit_group"]()
-                for r in T.unroll(2):
-                    if row + r * 8 < (sq[1] if varlen else Lq):
-                        orow = T.meta_var(row + r * 8 + sq[0] if varlen else row + r * 8)
-                        if not TS:
-                            for n in T.unroll(NO):
-                                for e in T.vectorized(2):
-                                    Of[c[0] * ob + c[1] * oh + orow * ol + n * 8
-                                       + lane % 4 * 2 + e] = T.cast(acc[n * 4 + r * 2 + e]
-                                                                    * mn[r], dtype)
-                        if lane % 4 == 0:
-                            LSE[c[0], c[1], orow] = row_lse(m[r], lsum[r])
-                c[5] = c[5] + c[4]
+                        quad_reduce(lsum, r, T.Add)
+                        mn[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
+                                               T.float32(1) / lsum[r])
+                    store(Os, Of, omap, LSE, acc, mn, m, lsum, c[0], c[1], c[3],
+                          sq if varlen else None, it, cw, lane, tx, elected, Lq, ob, oh, ol, True)
+                    c[5] = c[5] + c[4]
             if TS and elected:  # the shared tile outlives its last store's reads
                 T.ptx["cp.async.bulk.wait_group.read"](0)
 
@@ -1313,6 +1442,9 @@ def _check(key: KernelKey, chosen: HopperTile) -> None:
     if chosen.tma_store and (key.op != "fwd" or key.varlen or atom(key.head_dim) != 64):
         raise ValueError(f"{key.name}: tile {chosen}: the bulk store of O is the forward's, at "
                          "head dims that are multiples of 64, without packed sequences")
+    if chosen.chained and (key.op != "fwd" or not chosen.persistent or key.varlen):
+        raise ValueError(f"{key.name}: tile {chosen}: chained tiles are a persistent forward's, "
+                         "without packed sequences")
     if not 0 <= chosen.exp2_fma <= 8 or chosen.exp2_fma and key.op != "fwd":
         raise ValueError(f"{key.name}: tile {chosen}: exp2_fma is the forward's, 0 to 8 of "
                          "every 8 scores")

@@ -2,9 +2,9 @@
 """Build, check and time variants of the Hopper (sm_90a) kernels on the local GPU.
 
 Every variant is compiled in parallel (TVM + nvcc, ``--jobs``), checked against a float64
-reference on odd shapes (lengths 1, 7, 97, 300, 1025; GQA; every causal mode; sinks;
-(B, L, H, D) storage viewed as (B, H, L, D)) with NaN-poisoned outputs, and only then timed at
-B·N = 16k tokens, hidden 2048, side by side in the same process with:
+reference on odd shapes (lengths 1, 7, 97, 300, 1025; more query tiles than SMs; GQA; every
+causal mode; sinks; (B, L, H, D) storage viewed as (B, H, L, D)) with NaN-poisoned outputs,
+and only then timed at B·N = 16k tokens, hidden 2048, side by side in the same process with:
 
 * forward (``fwd``): torch SDPA's flash and cuDNN backends, and with ``--mma`` the
   ``mma.sync`` forward (``cuda-sm_90`` keys);
@@ -54,8 +54,11 @@ SHORT = {"bf16": "bfloat16", "fp16": "float16"}
 SYMBOL = {"fwd": "flash_fwd", "dq": "flash_dq", "dkv": "flash_dkv"}
 FLOOR = {"float16": 1e-3, "bfloat16": 1e-2}  # tests/checks.py's absolute floors
 GEMMS = {"fwd": 2, "dq": 3, "dkv": 4}  # each 2 B H N^2 D FLOP (halved causal)
+# (B, Hkv, Lq, Lk); the last two have more query tiles than an H100 or H200 has SMs, so that
+# a persistent block walks several (bottom-right, the first of 700 queries over 400 keys walk
+# none)
 SHAPES = [(2, 2, 97, 97), (1, 1, 1025, 1025), (2, 1, 7, 300), (1, 2, 300, 7), (1, 1, 1, 1),
-          (1, 2, 128, 128), (1, 1, 257, 1000)]  # (B, Hkv, Lq, Lk)
+          (1, 2, 128, 128), (1, 1, 257, 1000), (4, 12, 700, 400), (2, 16, 1000, 1000)]
 
 
 def _build(key, tile: dict | None, out: str):

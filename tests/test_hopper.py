@@ -381,6 +381,42 @@ def test_forward_bulk_store_of_o():
             hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), tma_store=True))
 
 
+@pytest.mark.parametrize("d, causal, mods, spill", [
+    (128, "none", {}, 8), (128, "top-left", {}, 4), (64, "bottom-right", {}, 0),
+    (128, "top-left", {"window": True}, 0), (128, "none", {"sinks": True, "alibi": True}, 8)])
+def test_forward_chained_query_tiles(d, causal, mods, spill):
+    """``HopperTile(chained=True)`` (a persistent forward): two Q buffers, each with a full and
+    an empty mbarrier; a tile's LSE is stored before the next tile's first S = Q K^T is issued
+    with the tile's last P V, and its O after the next tile's first softmax. ptxas keeps the
+    wgmma asynchronous (spills as measured: the tile's coordinates and 1 / sums live across
+    the next tile's first step). Not for dQ, a tile that is not persistent, packed sequences;
+    at D 256 the second Q buffer does not fit."""
+    key = KernelKey("fwd", d, "bfloat16", causal, 1, "cuda-sm_90a", **mods)
+    plain, chained = hopper.tile(key), dataclasses.replace(hopper.tile(key), chained=True)
+    assert chained.smem_bytes(d) == plain.smem_bytes(d) + chained.rows * d * 2
+    src, base = _variant_source(key, chained=True), _source(key)
+    body = src[src.index("extern \"C\" __global__"):]
+    inits = len(re.findall(r"mbarrier_init", body))
+    assert inits == len(re.findall(r"mbarrier_init", base[base.index("extern \"C\""):])) + 2
+    lse = body.index("LSE_ptr[")  # in the consumers' walk over their query tiles
+    stores = r"bulk_tensor_s2g|\(O_ptr \+"  # O's: bulk (tma_store) or from registers
+    o = re.search(stores, body[lse:]).start() + lse
+    assert lse < body.index("_ss_mma_async", lse) < body.index("exp2", lse) < o
+    assert not re.search(stores, body[:lse])
+    if shutil.which("nvcc"):
+        spilled, notes, log = _ptxas(src)
+        assert spilled <= spill and not notes, log
+    for bad in (KernelKey("dq", 128, "bfloat16", "none", 1, "cuda-sm_90a"),
+                KernelKey("fwd", 128, "bfloat16", "none", 1, "cuda-sm_90a", varlen=True)):
+        with pytest.raises(ValueError, match="chained"):
+            hopper.kernel(bad, dataclasses.replace(hopper.tile(bad), chained=True))
+    with pytest.raises(ValueError, match="chained"):
+        hopper.kernel(key, dataclasses.replace(plain, chained=True, persistent=False))
+    wide = KernelKey("fwd", 256, "bfloat16", "top-left", 1, "cuda-sm_90a")
+    with pytest.raises(ValueError, match="shared memory"):
+        hopper.kernel(wide, dataclasses.replace(hopper.tile(wide), chained=True))
+
+
 @pytest.mark.parametrize("op", ["dq", "dkv"])
 @pytest.mark.parametrize("mods", [{}, {"softcap": True, "alibi": True}])
 def test_backward_probabilities_in_one_ffma(op, mods):
