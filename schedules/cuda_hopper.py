@@ -913,7 +913,9 @@ def flash_forward(key: KernelKey, tile: HopperTile):
     v_ldo, v_sdo = BK * ROW, 8 * ROW
     FK, FV, EK, EV = 1, 1 + ST, 1 + 2 * ST, 1 + 3 * ST  # first barrier of each kind
     QE = 1 + 4 * ST
-    QF1 = 2 + 4 * ST  # (chained) the second Q buffer's full and empty barriers: QF1, QF1 + 1
+    # (chained) the second Q buffer's full and empty barriers: QF1, QF1 + 1 (past the last
+    # barrier otherwise)
+    QF1 = 2 + 4 * ST
     regs_consumer = consumer_regs(NC)
     exp2 = exp2_clamped if tile.clamp else T.exp2
 
@@ -1034,6 +1036,15 @@ def flash_forward(key: KernelKey, tile: HopperTile):
             m[r] = mn[r]
         for i in T.unroll(NS * 4):
             p[i] = T.cast(s[i], dtype)
+
+    @T.macro
+    def sums(lsum, inv):
+        """A tile's row sums over their quads, and their inverses into ``inv`` (0 for a row
+        that saw no key)."""
+        for r in T.unroll(2):
+            quad_reduce(lsum, r, T.Add)
+            inv[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
+                                    T.float32(1) / lsum[r])
 
     @T.macro
     def begin(acc, m, lsum, sl, c, sq, lane, Slopes, Sinks, scale, zero_acc: bool):
@@ -1166,12 +1177,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         mine = T.meta_var(_mine(total, grid, bx, tile.persistent))
         if tx == 0:
             for i in T.unroll(NB):
-                if chained:
-                    T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
-                                                   T.uint32(1 if i < EK or i == QF1 else NC))
-                else:
-                    T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
-                                                   T.uint32(1 if i < EK else NC))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(bars[i]),
+                                               T.uint32(1 if i < EK or i == QF1 else NC))
             T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
         c[5] = T.int64(0)
@@ -1270,10 +1277,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                     # every S with this Q buffer is complete: the producer may refill it
                     if elected:
                         T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE + it % 2 * 2]))
+                    sums(lsum, inv)
                     for r in T.unroll(2):  # the tile's LSE, before the next tile's m, lsum
-                        quad_reduce(lsum, r, T.Add)
-                        inv[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
-                                                T.float32(1) / lsum[r])
                         if row + r * 8 < Lq:
                             if lane % 4 == 0:
                                 LSE[c[0], c[1], row + r * 8] = row_lse(m[r], lsum[r])
@@ -1351,10 +1356,7 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                     elif elected:
                         T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
 
-                    for r in T.unroll(2):
-                        quad_reduce(lsum, r, T.Add)
-                        mn[r] = T.if_then_else(lsum[r] == T.float32(0), T.float32(0),
-                                               T.float32(1) / lsum[r])
+                    sums(lsum, mn)
                     store(Os, Of, omap, LSE, acc, mn, m, lsum, c[0], c[1], c[3],
                           sq if varlen else None, it, cw, lane, tx, elected, Lq, ob, oh, ol, True)
                     c[5] = c[5] + c[4]
