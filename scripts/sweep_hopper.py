@@ -23,7 +23,9 @@ and only then timed at B·N = 16k tokens, hidden 2048, side by side in the same 
   ALiBi's geometric slopes (TFLOP/s count the whole N^2: compare times with the plain key's
   row); ``--tiles`` may name them (``"fwd:128:softcap"``). ``--varlen`` adds the forward for
   packed sequences (``cuda_hopper.VARLEN_WRITTEN``), checked per sequence of a packed batch with an
-  empty query sequence, one without keys and Lq != Lk.
+  empty query sequence, one without keys and Lq != Lk. A check shape, timing or load that
+  runs ``--stall-s`` seconds (120) ends the sweep with a ``STALL`` line naming it: a kernel
+  that never finishes would otherwise stop it silently.
 
     python scripts/sweep_hopper.py --head-dims 64,128 --dtypes bf16 --out results.json
     python scripts/sweep_hopper.py --ops dq,dkv --head-dims 64,128 --dtypes bf16,fp16 \
@@ -46,6 +48,8 @@ import os
 import pathlib
 import sys
 import tempfile
+import threading
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -186,6 +190,26 @@ def _tensor(b, h, n, d, dtype, device, layout, fill=None):
     return t.transpose(1, 2) if layout == "blhd" else t
 
 
+_STAGE = ["", time.monotonic()]  # what the sweep is running, since when (for _watchdog)
+
+
+def _at(stage: str) -> None:
+    _STAGE[:] = [stage, time.monotonic()]
+
+
+def _watchdog(limit: float) -> None:
+    """A daemon thread's loop: a stage that runs ``limit`` seconds (a check shape, a timing,
+    a kernel's load) is a kernel that does not finish — a hang would otherwise stop the sweep
+    silently, its last row long printed. Name the stage and end the process."""
+    while True:
+        time.sleep(min(5.0, limit))
+        stage, since = _STAGE
+        if stage and time.monotonic() - since > limit:
+            print(f"STALL {stage}: no progress for {time.monotonic() - since:.0f} s "
+                  "(a kernel that does not finish?); exiting", flush=True)
+            os._exit(3)
+
+
 def _cases(key, device, strided: bool):
     """The check's inputs: per odd shape and layout, ``(b, hkv, lq, lk, layout, q, k, v)``
     random in the key's dtype (GQA group and head dim of the key)."""
@@ -194,6 +218,7 @@ def _cases(key, device, strided: bool):
     dtype, g, d = getattr(torch, key.dtype), key.group, key.head_dim
     for b, hkv, lq, lk in SHAPES:
         for layout in ("bhld", "blhd") if strided else ("bhld",):
+            _at(f"{key.name} check {b}x{hkv}x{lq}x{lk} {layout}")
             yield (b, hkv, lq, lk, layout, _tensor(b, hkv * g, lq, d, dtype, device, layout),
                    _tensor(b, hkv, lk, d, dtype, device, layout),
                    _tensor(b, hkv, lk, d, dtype, device, layout))
@@ -209,6 +234,7 @@ def check_varlen(fn, key, device) -> tuple[bool, str]:
 
     import torch
 
+    _at(f"{key.name} check packed {VARLEN_LENGTHS}")
     dtype, g, d = getattr(torch, key.dtype), key.group, key.head_dim
     lens_q, lens_k = VARLEN_LENGTHS
     cu_q, cu_k = ([0, *it.accumulate(lens)] for lens in (lens_q, lens_k))
@@ -552,6 +578,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile-once", action="store_true",
                    help="run each timed call once more between cudaProfilerStart/Stop (for "
                         "ncu --profile-from-start off)")
+    p.add_argument("--stall-s", type=float, default=120.0,
+                   help="end the sweep, naming the stage, when a check shape, timing or load "
+                        "runs this long (0: never; off with --profile-once)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     global PROFILE_ONCE
@@ -627,6 +656,8 @@ def main(argv=None) -> int:
                       f"{sass.count('FFMA')}, FADD {sass.count('FADD')}, FMUL "
                       f"{sass.count('FMUL')}")
     device = torch.device("cuda")
+    if args.stall_s > 0 and not args.profile_once:
+        threading.Thread(target=_watchdog, args=(args.stall_s,), daemon=True).start()
     seqlens = [int(x) for x in args.seqlens.split(",") if x]
     rows = []
     for (key, t), files in zip(jobs, built, strict=True):
@@ -636,6 +667,7 @@ def main(argv=None) -> int:
         fused = (cuda_hopper.dq_row(key.head_dim, _tile_of(key, t)) if t and t.get("dq")
                  else None)
         try:
+            _at(f"{key.name} {t} load")
             fn = _load(*files)
             row["ok"], row["check"] = check(fn, key, device, strided=key.target != "cuda-sm_90",
                                             fused=fused,
@@ -643,12 +675,14 @@ def main(argv=None) -> int:
                                                                                   True)))
             if row["ok"] and not key.sinks and key.group == 1 and not key.varlen:
                 for n in seqlens:
+                    _at(f"{key.name} {t} timing N {n}")
                     row[f"n{n}"] = (timing(fn, key, n, device) if key.op == "fwd"
                                     else timing_backward(fn, key, n, device, fused))
         except Exception as err:  # noqa: BLE001 - a failing variant must not hide the others
             row["ok"], row["check"] = False, f"error: {str(err)[-600:]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
+    _at("")
     print("\nTFLOP/s: fwd 4 B H N^2 D (ours / torch flash / cudnn); dq 6 B H N^2 D and dkv "
           "8 B H N^2 D, the kernel alone (ours (mma.sync)); all halved causal")
     print("| key | tile | ok | TFLOP/s |")
