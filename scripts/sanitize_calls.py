@@ -16,9 +16,11 @@ built, inside the sanitizer:
 The shapes reach what small tests miss: ``(1, 1, 1100, 1100)`` is past the 1024-key length
 bucket (the Hopper forward at D 64 takes three consumer warpgroups there), ``(1, 1, 300,
 1100)`` and ``(1, 1, 7, 300)`` make the two causal alignments differ, ``(2, 1, 97, 97)`` ends
-mid-tile. ``--softcap`` and ``--alibi`` run every call with that score modifier (build the
-kernels with ``build.py --mods softcap``, ``alibi`` or ``softcap+alibi``). Exits 1 if any case
-is out of tolerance or not finite.
+mid-tile. ``--many-tiles`` adds ``(4, 12, 700, 400)``: more query tiles than an H100 or H200
+has SMs, so that a block of the persistent Hopper forward and dQ walks several, and bottom-right
+whole tiles without keys among them (slow under racecheck). ``--softcap`` and ``--alibi`` run
+every call with that score modifier (build the kernels with ``build.py --mods softcap``,
+``alibi`` or ``softcap+alibi``). Exits 1 if any case is out of tolerance or not finite.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import tvm_flash  # noqa: E402
 from tvm_flash.reference import attention_reference  # noqa: E402
 
 SHAPES = ((2, 1, 97, 97), (1, 1, 300, 1100), (1, 1, 1100, 1100), (1, 1, 7, 300))  # B Hkv Lq Lk
+MANY_TILES = (4, 12, 700, 400)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CASES = ((False, "top-left"), (True, "top-left"), (True, "bottom-right"))
 
@@ -72,14 +75,17 @@ def main() -> int:
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
     p.add_argument("--softcap", type=float, default=0.0, help="a soft cap (> 0) on every call")
     p.add_argument("--alibi", action="store_true", help="ALiBi with random slopes on every call")
+    p.add_argument("--many-tiles", action="store_true",
+                   help=f"also {MANY_TILES}: persistent blocks walk several query tiles")
     args = p.parse_args()
+    shapes = SHAPES[:args.shapes] + ((MANY_TILES,) if args.many_tiles else ())
     torch.manual_seed(0)
     failed = 0
     for d in (int(x) for x in args.head_dims.split(",")):
         for name in args.dtypes.split(","):
             for g in (int(x) for x in args.gqa.split(",")):
                 for (causal, align), shape in ((c, s) for c in CASES
-                                               for s in SHAPES[:args.shapes]):
+                                               for s in shapes):
                     res = _case(d, DTYPES[name], g, causal, align, shape, args.device,
                                 args.softcap, args.alibi)
                     failed += res.startswith("FAIL")
