@@ -738,7 +738,6 @@ def test_forward_exp2_unclamped():
     assert base.count("condval") < src.count("condval") or base.count("?") < src.count("?")
 
 
-
 def test_sweep_names_a_stalled_stage():
     """``scripts/sweep_hopper.py``'s watchdog: a stage that makes no progress for
     ``--stall-s`` seconds (a kernel that never finishes) ends the sweep with exit status 3 and
@@ -748,17 +747,18 @@ def test_sweep_names_a_stalled_stage():
     import sys
 
     scripts = pathlib.Path(__file__).resolve().parent.parent / "scripts"
-    run = ("import sys, threading, time; sys.path.insert(0, {!r}); import sweep_hopper as sw; "
-           "threading.Thread(target=sw._watchdog, args=(0.5,), daemon=True).start(); {}")
+    start = (f"import sys, threading, time\nsys.path.insert(0, {str(scripts)!r})\n"
+             "import sweep_hopper as sw\n"
+             "threading.Thread(target=sw._watchdog, args=(0.5,), daemon=True).start()\n")
     stalled = subprocess.run(
-        [sys.executable, "-c", run.format(str(scripts), "sw._at('fwd-x check 4x12x700x400 "
-                                           "bhld'); time.sleep(5); print('not ended')")],
+        [sys.executable, "-c", start + "sw._at('fwd-x check 4x12x700x400 bhld')\n"
+                                       "time.sleep(5)\nprint('not ended')\n"],
         capture_output=True, text=True, timeout=60)
     assert stalled.returncode == 3, stalled
     assert "STALL fwd-x check 4x12x700x400 bhld" in stalled.stdout
     moving = subprocess.run(
-        [sys.executable, "-c", run.format(str(scripts), "exec('for i in range(8): "
-                                           "sw._at(str(i)); time.sleep(0.2)'); sw._at(''); "
-                                           "time.sleep(1); print('done')")],
+        [sys.executable, "-c", start + "for i in range(8):\n    sw._at(str(i))\n"
+                                       "    time.sleep(0.2)\nsw._at('')\ntime.sleep(1)\n"
+                                       "print('done')\n"],
         capture_output=True, text=True, timeout=60)
     assert moving.returncode == 0 and "done" in moving.stdout, moving
