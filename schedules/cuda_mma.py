@@ -87,6 +87,8 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 SMEM_LIMIT = {80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227, 120: 99, 121: 99}
 """Dynamic shared memory a block may opt into, KiB, per compute capability (CUDA programming
 guide, "Technical specifications"); an arch not listed is given the smallest, 99."""
+SM_SMEM = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228, 100: 228, 103: 228, 120: 100, 121: 100}
+"""Shared memory of one SM, KiB (the same table): what decides how many blocks an SM holds."""
 _PTX = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -206,7 +208,7 @@ def tile(key: KernelKey) -> MmaTile:
       layout) measured +0.5-2% at D = 128 (noise) and -5-35% at D = 64 (v7), so it is not done;
     * two stages (three measured from +1% to -38%, and for dK/dV from +1% to -20%);
     * D > 128: :data:`LARGE_D_TILES`, at D 192/256 with the copies and conversions of
-      :func:`_large_d_copies`.
+      :func:`_large_d_copies`; dQ :data:`DQ_PAIR_TILE` where two blocks fit an SM.
 
     Some of these sit at ptxas's 255 registers with a few bytes spilled (at most 40,
     docs/journal/perf-history.md v6, v7); they measured faster than every spill-free alternative."""
@@ -216,6 +218,8 @@ def tile(key: KernelKey) -> MmaTile:
             return dataclasses.replace(SPLIT_TILE, step=16, stages=3)
         return dataclasses.replace(SPLIT_TILE, zfill=True) if d <= 96 else SPLIT_TILE
     if d > 128:
+        if op == "dq" and _two_blocks_fit(key, DQ_PAIR_TILE):
+            return DQ_PAIR_TILE
         for candidate in LARGE_D_TILES[op]:
             if candidate.split > 2 and (key.mods or key.varlen):
                 continue  # the four-way split ran against float64 on plain keys only
@@ -321,14 +325,32 @@ instruction with a 128 x 64 forward tile of 8 warps and 64 x 64 backward tiles o
 Measured (``scripts/sweep_mma.py`` on the H200, cuda-sm_90 keys, bf16, N 1024 and 4096,
 unmasked and causal; ``docs/results/hopper-sweeps-v11.json``): the forward's and dQ's first
 tiles were the fastest of four at D 256 and within 1% at D 192 but for dQ, where 4 warps x 32
-(two blocks an SM in sm_90's shared memory, one on sm_80) measured 4-9% faster — not taken, for
-want of a rule that holds on the smaller archs; dK/dV's four-way split 5-6% faster than the
+(two blocks an SM in sm_90's shared memory, one on sm_80) measured 4-9% faster — taken where
+two blocks fit (:data:`DQ_PAIR_TILE`); dK/dV's four-way split 5-6% faster than the
 two-way one at every point (D 160 and 224 keep the two-way split, not measured against it).
 
 ptxas (nvcc 13.0, sm_90, fp16/bf16, every causal mode): the four-way dK/dV of D 192/256 224-242
 registers, no spill; the other chosen tiles (also sm_80) no spills, registers fwd 209-245, dQ
 166-249, dK/dV 170-244 (D 160: 209-217 / 166-172 / 176-177; D 256: 234-241 / 245-249 /
 232-243)."""
+
+
+DQ_PAIR_TILE = MmaTile(warps=4, step=32)
+"""dQ above D = 128 where two of its blocks fit one SM's shared memory (:func:`tile`; sm_90
+and sm_100 at D 160 and 192, 84 and 100 KiB a block): two 4-warp blocks an SM, each waiting
+at its own barriers, against one 8-warp block. H100, cuda-sm_90 keys, the kernel alone, bf16
+and fp16, unmasked and causal, N 1024 and 4096 (docs/results/hopper-sweeps-v17.json): 3.6-11.5%
+faster than 8 warps x 32 at every point. ptxas (nvcc 13.0, the build's flags, every causal
+mode): D 160 232-246 registers, D 192 240-246, no spill. Where only one block fits (sm_80's
+164 KiB, D 224/256) the 8-warp tile stays first."""
+
+
+def _two_blocks_fit(key: KernelKey, tile: MmaTile) -> bool:
+    """Whether two blocks of ``tile`` fit one SM of the key's arch (each also reserves 1 KiB
+    for the system, CUDA programming guide)."""
+    need = tile.smem_bytes(key.op, key.head_dim)
+    arch = int(key.target[len("cuda-sm_"):].rstrip("a"))
+    return need <= _smem_limit(key) and 2 * (need + 1024) <= SM_SMEM.get(arch, 100) * 1024
 
 
 class _Fragments:

@@ -20,14 +20,18 @@ mid-tile. ``--many-tiles`` adds ``(4, 12, 700, 400)``: more query tiles than an 
 has SMs, so that a block of the persistent Hopper forward and dQ walks several, and bottom-right
 whole tiles without keys among them (slow under racecheck). ``--softcap`` and ``--alibi`` run
 every call with that score modifier (build the kernels with ``build.py --mods softcap``,
-``alibi`` or ``softcap+alibi``). Exits 1 if any case is out of tolerance or not finite.
+``alibi`` or ``softcap+alibi``). ``--causal``, ``--forward-only`` and ``--repeat`` narrow a
+run down to one kernel and repeat it, for a fault or hang seen once (each call's line gives its
+time; run it under ``timeout``). Exits 1 if any case is out of tolerance or not finite.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import pathlib
 import sys
+import time
 
 import torch
 
@@ -42,7 +46,7 @@ CASES = ((False, "top-left"), (True, "top-left"), (True, "bottom-right"))
 
 
 def _case(d: int, dtype: torch.dtype, group: int, causal: bool, align: str, shape,
-          dev: str, softcap: float = 0.0, alibi: bool = False) -> str:
+          dev: str, softcap: float = 0.0, alibi: bool = False, backward: bool = True) -> str:
     b, hkv, lq, lk = shape
     q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dtype, requires_grad=True)
                for h, n in ((hkv * group, lq), (hkv, lk), (hkv, lk)))
@@ -50,16 +54,18 @@ def _case(d: int, dtype: torch.dtype, group: int, causal: bool, align: str, shap
     slopes = torch.rand(hkv * group, device=dev) if alibi else None
     out = tvm_flash.attention(q, k, v, is_causal=causal, causal_alignment=align,
                               enable_gqa=True, softcap=softcap, alibi_slopes=slopes)
-    out.backward(do)
+    if backward:
+        out.backward(do)
     if dev == "cuda":
         torch.cuda.synchronize()
-    ours = (out, q.grad, k.grad, v.grad)
+    ours = (out, q.grad, k.grad, v.grad) if backward else (out,)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, _ = attention_reference(q64, k64, v64, causal=align if causal else "none",
                                  softcap=softcap, alibi_slopes=slopes)
-    ref.backward(do.double())
-    errs = [(a.double() - r).abs().max().item()
-            for a, r in zip(ours, (ref, q64.grad, k64.grad, v64.grad), strict=True)]
+    if backward:
+        ref.backward(do.double())
+    exact = (ref, q64.grad, k64.grad, v64.grad) if backward else (ref,)
+    errs = [(a.double() - r).abs().max().item() for a, r in zip(ours, exact, strict=True)]
     finite = all(torch.isfinite(t).all().item() for t in ours)
     # a coarse bound: this script looks for memory and ordering errors, tests/ for accuracy
     ok = finite and max(errs) < {torch.bfloat16: 0.1, torch.float16: 0.02}.get(dtype, 1e-3)
@@ -77,20 +83,36 @@ def main() -> int:
     p.add_argument("--alibi", action="store_true", help="ALiBi with random slopes on every call")
     p.add_argument("--many-tiles", action="store_true",
                    help=f"also {MANY_TILES}: persistent blocks walk several query tiles")
+    p.add_argument("--causal", default="none,top-left,bottom-right",
+                   help="the masks to run (comma-separated)")
+    p.add_argument("--forward-only", action="store_true",
+                   help="no backward: tells a forward's fault or hang from the backward's")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run each call this many times (an intermittent hang: run under "
+                        "`timeout`, each call's line printed as it ends)")
     args = p.parse_args()
     shapes = SHAPES[:args.shapes] + ((MANY_TILES,) if args.many_tiles else ())
+    masks = args.causal.split(",")
+    unknown = set(masks) - {"none", *(align for _, align in CASES)}
+    if unknown:
+        p.error(f"--causal: unknown {sorted(unknown)}")
     torch.manual_seed(0)
     failed = 0
     for d in (int(x) for x in args.head_dims.split(",")):
         for name in args.dtypes.split(","):
             for g in (int(x) for x in args.gqa.split(",")):
-                for (causal, align), shape in ((c, s) for c in CASES
-                                               for s in shapes):
-                    res = _case(d, DTYPES[name], g, causal, align, shape, args.device,
-                                args.softcap, args.alibi)
-                    failed += res.startswith("FAIL")
+                for (causal, align), shape, rep in itertools.product(
+                        CASES, shapes, range(args.repeat)):
                     mode = align if causal else "none"
-                    print(f"D {d} {name} GQA {g} {mode:12s} (B, Hkv, Lq, Lk) = {shape}: {res}",
+                    if mode not in masks:
+                        continue
+                    start = time.perf_counter()
+                    res = _case(d, DTYPES[name], g, causal, align, shape, args.device,
+                                args.softcap, args.alibi, not args.forward_only)
+                    failed += res.startswith("FAIL")
+                    took = time.perf_counter() - start
+                    print(f"D {d} {name} GQA {g} {mode:12s} (B, Hkv, Lq, Lk) = {shape}"
+                          f"{f' #{rep}' if args.repeat > 1 else ''}: {res} ({took:.1f} s)",
                           flush=True)
     return 1 if failed else 0
 

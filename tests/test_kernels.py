@@ -231,6 +231,24 @@ def test_mma_large_d_dkv_tile_choice():
         assert mma.tile(_key("dkv", d, "float16", "cuda-sm_90")).split == 2
 
 
+def test_mma_large_d_dq_tile_choice():
+    """dQ above D 128 takes 4 warps x 32 (``cuda_mma.DQ_PAIR_TILE``) where two blocks fit one
+    SM's shared memory (sm_90/100 at D 160 and 192), else the first of ``LARGE_D_TILES``
+    that fits."""
+    mma = importlib.import_module("tvm_flash.schedules.cuda_mma")
+    for target, d in itertools.product(("cuda-sm_80", "cuda-sm_90", "cuda-sm_100"),
+                                       (160, 192, 224, 256)):
+        key = _key("dq", d, "bfloat16", target)
+        if target != "cuda-sm_80" and d in (160, 192):
+            assert mma.tile(key) == mma.DQ_PAIR_TILE, key.name
+            need = mma.DQ_PAIR_TILE.smem_bytes("dq", d)
+            assert 2 * need < mma.SM_SMEM[90] * 1024 < 3 * need
+        else:
+            first = next(t for t in mma.LARGE_D_TILES["dq"]
+                         if t.smem_bytes("dq", d) <= mma._smem_limit(key))
+            assert mma.tile(key) == first, key.name
+
+
 def test_mma_copy_and_conversion_variants():
     """``MmaTile(zfill=True)``: the walked K/V tiles' copies take cp.async's src-size operand
     (a row past the end reads 0 bytes and is zero-filled) instead of a branch around them;

@@ -9,11 +9,11 @@ import pathlib
 
 import pytest
 import torch
-from checks import make_inputs
+from checks import check_against_reference, make_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tvm_flash
-from tvm_flash import KernelKey, artifacts, plan
+from tvm_flash import KernelKey, artifacts, ops, plan
 from tvm_flash.flash_attn import flash_attn_func
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -87,6 +87,44 @@ def test_launch_order_is_the_plans(monkeypatch):
         assert tuple(launched) == expected
         assert set(expected) <= set(plan.call_keys(*args, sinks=sinks))
     plan.clear()
+
+
+TILED_OPS = ("fwd", "dq", "dkv", "fwd_split", "dq_split", "dkv_packed")
+
+
+@pytest.mark.parametrize("causal, lq, window, folded", [
+    ("bottom-right", 30, (9, 3), ("none", (9, 0))),
+    ("top-left", 40, (9, -1), ("none", (9, 0))),  # Lq = Lk: the diagonals agree
+    ("top-left", 30, (9, 3), ("top-left", (9, 3))),  # they do not
+    ("top-left", 30, (-1, 3), ("top-left", None)),  # the causal mask alone
+    ("none", 30, (9, 3), ("none", (9, 3))),
+    ("bottom-right", 7, (9, 3), ("none", (9, 0))),  # the short-query path
+])
+def test_a_causal_window_runs_folded(monkeypatch, causal, lq, window, folded):
+    """A causal call with a window runs the kernels ``ops.fold_causal`` names, forward and
+    backward (keys that ``call_keys`` lists, so build.py builds them); results as the float64
+    reference's with the call's own mask and window."""
+    launched = []
+    real = plan.kernel
+
+    def recording(key):
+        launched.append(key)
+        return real(key)
+
+    plan.clear()
+    monkeypatch.setattr(plan, "kernel", recording)
+    try:
+        q, k, v, do = make_inputs(1, 2, 1, lq, 40, 64, torch.float32, "cpu")
+        check_against_reference(q, k, v, do, causal, window_size=window)
+    finally:
+        plan.clear()
+    tiled = [key for key in launched if key.op in TILED_OPS]
+    assert len(tiled) == 3  # fwd, dq, dkv or their short-query forms
+    assert {(key.causal, key.window) for key in tiled} == {(folded[0], folded[1] is not None)}
+    assert ops.fold_causal(causal, ops.ScoreMods(window=window), lq, 40) == (
+        folded[0], ops.ScoreMods(window=folded[1] or (-1, -1)))
+    assert set(launched) <= set(plan.call_keys("llvm", 64, "float32", causal, 2,
+                                               mods=("window",)))
 
 
 def test_a_dq_that_computes_delta_replaces_bwd_pre(monkeypatch):

@@ -63,6 +63,28 @@ class ScoreMods:
 NO_MODS = ScoreMods()
 
 
+def fold_causal(causal: str, mods: ScoreMods, lq: int, lk: int,
+                packed: Packed | None = None) -> tuple[str, ScoreMods]:
+    """The kernels to run a causal call with a window by, forward and backward (flash-attn 2
+    folds the same way): ``(causal, mods)`` in place of the call's own. A causal mask and a
+    window ``(l, r)`` let query i see the keys ``c - l <= j <= c`` (``r`` past the diagonal
+    adds nothing), which is the unmasked key's window ``(l, 0)`` wherever the two diagonals
+    agree: bottom-right always (the unmasked kernels put the window's and ALiBi's diagonal
+    there), top-left where Lq = Lk in every sequence (not known for packed ones). The
+    unmasked window kernels walk the same key tiles without the causal mask's tile logic
+    and ran faster on the H100 (docs/journal/2026-12-01-hopper.md, twenty-ninth session). A
+    window ``(-1, r)`` under a causal mask is the causal mask alone. Softcap, ALiBi and sinks
+    mean the same in either form."""
+    if causal == "none" or mods.window == (-1, -1):
+        return causal, mods
+    left = mods.window[0]
+    if left < 0:
+        return causal, dataclasses.replace(mods, window=(-1, -1))
+    if causal == "top-left" and (packed is not None or lq != lk):
+        return causal, mods
+    return "none", dataclasses.replace(mods, window=(left, 0))
+
+
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """Packed sequences (varlen), validated (:func:`check_packed`): sequence ``s`` owns rows
@@ -128,6 +150,7 @@ def flash_forward(q, k, v, sinks, causal: str, scale: float, mods: ScoreMods = N
     if k.shape[2] == 0:  # no keys at all: every row is empty (but for its sink)
         lse.fill_(-math.inf) if sinks is None else lse.copy_(sinks[None, :, None].expand_as(lse))
         return out.zero_(), lse
+    causal, mods = fold_causal(causal, mods, lq, k.shape[2], packed)
     run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], sinks is not None,
                    packed.max_q if packed else lq, False, mods.names, packed is not None,
                    packed.max_k if packed else k.shape[2])
@@ -163,6 +186,7 @@ def flash_backward(do, q, k, v, out, lse, sinks, causal: str, scale: float,
     dq, dk, dv = output_like(q), output_like(k), output_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), None if sinks is None else lse.new_zeros(hq)
+    causal, mods = fold_causal(causal, mods, lq, k.shape[2], packed)
     run = plan.get(q.device, q.dtype, d, causal, hq // k.shape[1], False,
                    packed.max_q if packed else lq, True, mods.names, packed is not None,
                    packed.max_k if packed else k.shape[2])

@@ -153,6 +153,14 @@ def backward_keys(target, head_dim, dtype, causal, group, *, short: bool,
     return pre, KernelKey("dq", **tiled), KernelKey("dkv", **tiled)
 
 
+def _folds(causal: str, mods: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """The forms a call with these facts may run by (``tvm_flash.ops.fold_causal``): a causal
+    call with a window also runs the unmasked window kernels or the causal ones alone."""
+    if causal == "none" or "window" not in mods:
+        return [(causal, mods)]
+    return [(causal, mods), ("none", mods), (causal, tuple(m for m in mods if m != "window"))]
+
+
 def call_keys(target, head_dim, dtype, causal, group, *, sinks: bool = False,
               mods=(), varlen: bool = False) -> list[KernelKey]:
     """Every kernel a call with these static facts may run: both paths (short and tiled;
@@ -160,10 +168,11 @@ def call_keys(target, head_dim, dtype, causal, group, *, sinks: bool = False,
     builds."""
     keys = []
     for short in ((False,) if varlen else (False, True)):
-        keys += forward_keys(target, head_dim, dtype, causal, group, sinks=sinks, short=short,
-                             mods=mods, varlen=varlen)
-        keys += backward_keys(target, head_dim, dtype, causal, group, short=short, mods=mods,
-                              varlen=varlen)
+        for run_causal, run_mods in _folds(causal, tuple(mods)):
+            keys += forward_keys(target, head_dim, dtype, run_causal, group, sinks=sinks,
+                                 short=short, mods=run_mods, varlen=varlen)
+            keys += backward_keys(target, head_dim, dtype, run_causal, group, short=short,
+                                  mods=run_mods, varlen=varlen)
     return keys
 
 
