@@ -87,8 +87,6 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 SMEM_LIMIT = {80: 163, 86: 99, 87: 163, 89: 99, 90: 227, 100: 227, 103: 227, 120: 99, 121: 99}
 """Dynamic shared memory a block may opt into, KiB, per compute capability (CUDA programming
 guide, "Technical specifications"); an arch not listed is given the smallest, 99."""
-SM_SMEM = {80: 164, 86: 100, 87: 164, 89: 100, 90: 228, 100: 228, 103: 228, 120: 100, 121: 100}
-"""Shared memory of one SM, KiB (the same table): what decides how many blocks an SM holds."""
 _PTX = {"float16": "fp16", "bfloat16": "bf16"}
 
 
@@ -346,11 +344,10 @@ mode): D 160 232-246 registers, D 192 240-246, no spill. Where only one block fi
 
 
 def _two_blocks_fit(key: KernelKey, tile: MmaTile) -> bool:
-    """Whether two blocks of ``tile`` fit one SM of the key's arch (each also reserves 1 KiB
-    for the system, CUDA programming guide)."""
-    need = tile.smem_bytes(key.op, key.head_dim)
-    arch = int(key.target[len("cuda-sm_"):].rstrip("a"))
-    return need <= _smem_limit(key) and 2 * (need + 1024) <= SM_SMEM.get(arch, 100) * 1024
+    """Whether two blocks of ``tile`` fit one SM of the key's arch. An SM's shared memory is
+    a block's opt-in limit (:data:`SMEM_LIMIT`) plus the 1 KiB the system reserves per block
+    (CUDA programming guide: 228 KiB an SM on sm_90, 164 on sm_80, 100 on sm_86/89/120)."""
+    return 2 * (tile.smem_bytes(key.op, key.head_dim) + 1024) <= _smem_limit(key) + 1024
 
 
 class _Fragments:
