@@ -123,8 +123,10 @@ def test_a_causal_window_runs_folded(monkeypatch, causal, lq, window, folded):
     assert {(key.causal, key.window) for key in tiled} == {(folded[0], folded[1] is not None)}
     assert ops.fold_causal(causal, ops.ScoreMods(window=window), lq, 40) == (
         folded[0], ops.ScoreMods(window=folded[1] or (-1, -1)))
-    assert set(launched) <= set(plan.call_keys("llvm", 64, "float32", causal, 2,
-                                               mods=("window",)))
+    built = plan.call_keys("llvm", 64, "float32", causal, 2, mods=("window",))
+    assert set(launched) <= set(built)
+    # a form no call runs is not built: bottom-right with a window always folds
+    assert not any(key.causal == "bottom-right" and key.window for key in built)
 
 
 def test_a_dq_that_computes_delta_replaces_bwd_pre(monkeypatch):

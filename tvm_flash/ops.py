@@ -65,24 +65,11 @@ NO_MODS = ScoreMods()
 
 def fold_causal(causal: str, mods: ScoreMods, lq: int, lk: int,
                 packed: Packed | None = None) -> tuple[str, ScoreMods]:
-    """The kernels to run a causal call with a window by, forward and backward (flash-attn 2
-    folds the same way): ``(causal, mods)`` in place of the call's own. A causal mask and a
-    window ``(l, r)`` let query i see the keys ``c - l <= j <= c`` (``r`` past the diagonal
-    adds nothing), which is the unmasked key's window ``(l, 0)`` wherever the two diagonals
-    agree: bottom-right always (the unmasked kernels put the window's and ALiBi's diagonal
-    there), top-left where Lq = Lk in every sequence (not known for packed ones). The
-    unmasked window kernels walk the same key tiles without the causal mask's tile logic
-    and ran faster on the H100 (docs/journal/2026-12-01-hopper.md, twenty-ninth session). A
-    window ``(-1, r)`` under a causal mask is the causal mask alone. Softcap, ALiBi and sinks
-    mean the same in either form."""
-    if causal == "none" or mods.window == (-1, -1):
-        return causal, mods
-    left = mods.window[0]
-    if left < 0:
-        return causal, dataclasses.replace(mods, window=(-1, -1))
-    if causal == "top-left" and (packed is not None or lq != lk):
-        return causal, mods
-    return "none", dataclasses.replace(mods, window=(left, 0))
+    """``(causal, mods)`` that a call runs its kernels by: the window folded into the mask as
+    :func:`tvm_flash.plan.fold_window` decides."""
+    run_causal, window = plan.fold_window(causal, mods.window, lq, lk, packed is not None)
+    return run_causal, (mods if window == mods.window else
+                        dataclasses.replace(mods, window=window))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ none; CUDA-graph capture works because the capturing stream is the current one.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import threading
 
@@ -153,12 +154,42 @@ def backward_keys(target, head_dim, dtype, causal, group, *, short: bool,
     return pre, KernelKey("dq", **tiled), KernelKey("dkv", **tiled)
 
 
+def fold_window(causal: str, window: tuple[int, int], lq: int, lk: int,
+                packed: bool) -> tuple[str, tuple[int, int]]:
+    """The causal mode and window a call with mask ``causal`` and ``window`` ``(left, right)``
+    (-1 unbounded) runs by, forward and backward (flash-attn 2 folds the same way). A causal
+    mask and a window ``(l, r)`` let query i see the keys ``c - l <= j <= c`` (``r`` past the
+    diagonal adds nothing), which is the unmasked key's window ``(l, 0)`` wherever the two
+    diagonals agree: bottom-right always (the unmasked kernels put the window's and ALiBi's
+    diagonal there), top-left where Lq = Lk in every sequence (not known for ``packed``
+    ones). The unmasked window kernels walk the same key tiles without the causal mask's tile
+    logic and ran faster on the H100 (docs/journal/2026-12-01-hopper.md, twenty-ninth
+    session). A window ``(-1, r)`` under a causal mask is the causal mask alone. Softcap,
+    ALiBi and sinks mean the same in either form."""
+    if causal == "none" or window == (-1, -1):
+        return causal, window
+    left = window[0]
+    if left < 0:
+        return causal, (-1, -1)
+    if causal == "top-left" and (packed or lq != lk):
+        return causal, window
+    return "none", (left, 0)
+
+
 def _folds(causal: str, mods: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
-    """The forms a call with these facts may run by (``tvm_flash.ops.fold_causal``): a causal
-    call with a window also runs the unmasked window kernels or the causal ones alone."""
-    if causal == "none" or "window" not in mods:
+    """The (causal mode, modifiers) forms :func:`fold_window` gives calls with these static
+    facts: its outcomes over a bounded and an unbounded left extent, Lq = Lk or not, packed
+    or not."""
+    if "window" not in mods:
         return [(causal, mods)]
-    return [(causal, mods), ("none", mods), (causal, tuple(m for m in mods if m != "window"))]
+    forms = []
+    for window, lq, packed in itertools.product(((1, 1), (-1, 1)), (1, 2), (False, True)):
+        run_causal, run_window = fold_window(causal, window, lq, 2, packed)
+        form = (run_causal, mods if run_window != (-1, -1) else
+                tuple(m for m in mods if m != "window"))
+        if form not in forms:
+            forms.append(form)
+    return forms
 
 
 def call_keys(target, head_dim, dtype, causal, group, *, sinks: bool = False,
