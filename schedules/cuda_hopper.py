@@ -718,10 +718,33 @@ def _few_keys(Lk, rows: int, step: int, mods: Mods, window_left, window_right,
     return T.min(Lk, window_left + window_right + rows + step) <= PERSISTENT_MAX_WINDOW
 
 
+def _every_tile_keyed(causal: str, rows: int, step: int, Lq, Lk, mods: Mods, window_left,
+                      window_right, varlen: bool):
+    """Host code: whether every query tile of a dense call walks a key tile (``c[4] > 0`` in
+    :func:`_locator`), so that a persistent grid may walk them (:func:`_grid`). Tiles
+    without one lie at one end (the first ones under a bottom-right mask or a window's right
+    edge, the last ones past a top-left window's left edge), so the first and the last tile
+    decide. Why: under memcheck on an
+    H100 the persistent forward never finished where a block walked two keyless tiles in a
+    row (bottom-right, Lq - Lk >= 256, three tiles a block; docs/perf.md, "Open"), and one
+    sweep stalled on that forward unsanitized. The cause is not found; one block a tile
+    finished on the same shapes, so such calls take that grid. Packed sequences are never
+    persistent."""
+    if varlen or (causal == "none" and not mods.window):
+        return T.bool(True)
+    ma = ModArgs(None, window_left, window_right, None)
+
+    def keyed(r0):
+        begin = first_key(causal, r0, Lq, Lk, step, T.int64(0), mods, ma)
+        return num_key_tiles(causal, r0, rows, Lq, Lk, step, begin, Lk, mods, ma) > 0
+
+    return T.And(keyed(T.int64(0)), keyed((T.ceildiv(Lq, rows) - 1) * rows))
+
+
 def _grid(total, sms, few_keys, persistent: bool):
     """Host code: the int32 count of blocks of a grid over ``total`` row tiles — one per SM
-    where persistent and a tile walks few keys (``few_keys``: :func:`_few_keys`), else one per
-    tile."""
+    where persistent and ``few_keys`` holds (:func:`_few_keys` and
+    :func:`_every_tile_keyed`), else one per tile."""
     return T.cast(T.if_then_else(few_keys,
                                  T.min(total, T.max(T.cast(sms, "int64"), T.int64(1))), total)
                   if persistent else total, "int32")
@@ -1136,9 +1159,12 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BM))
         heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
         total = T.meta_var(heads * nqt)  # query tiles
-        grid: T.let[T.int32] = _grid(total, sms, _few_keys(Lk, BM, BK, mods, window_left,
-                                                           window_right, tile.persistent_keys),
-                                     tile.persistent)
+        grid: T.let[T.int32] = _grid(
+            total, sms, T.And(_few_keys(Lk, BM, BK, mods, window_left, window_right,
+                                        tile.persistent_keys),
+                              _every_tile_keyed(causal, BM, BK, Lq, Lk, mods, window_left,
+                                                window_right, varlen)),
+            tile.persistent)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -1666,9 +1692,12 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BM))
         heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
         total = T.meta_var(heads * nqt)  # query tiles
-        grid: T.let[T.int32] = _grid(total, sms, _few_keys(Lk, BM, BK, mods, window_left,
-                                                           window_right, tile.persistent_keys),
-                                     tile.persistent)
+        grid: T.let[T.int32] = _grid(
+            total, sms, T.And(_few_keys(Lk, BM, BK, mods, window_left, window_right,
+                                        tile.persistent_keys),
+                              _every_tile_keyed(causal, BM, BK, Lq, Lk, mods, window_left,
+                                                window_right, varlen)),
+            tile.persistent)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
         bx = T.cta_id([grid])

@@ -26,6 +26,7 @@ from tvm_flash.build import (
     ptxas_log,
     schedules,
 )
+from tvm_flash.kernels.common import Mods
 from tvm_flash.key import KernelKey
 from tvm_flash.target import cuda_tag, make_target, parse_target
 
@@ -762,3 +763,25 @@ def test_sweep_names_a_stalled_stage():
                                        "print('done')\n"],
         capture_output=True, text=True, timeout=60)
     assert moving.returncode == 0 and "done" in moving.stdout, moving
+
+
+@pytest.mark.parametrize("causal, lq, lk, window, keyed", [
+    ("bottom-right", 527, 400, None, True),  # row 127 sees key 0
+    ("bottom-right", 528, 400, None, False),  # the first tile sees none
+    ("bottom-right", 700, 400, None, False),  # two such tiles a head (the memcheck hang)
+    ("top-left", 700, 400, None, True),
+    ("none", 700, 400, None, True),
+    ("none", 700, 400, (1024, 0), False),  # a folded window: the diagonal at i - 300
+    ("top-left", 1000, 200, (10, 5), False),  # the last tiles start past the keys
+    ("top-left", 300, 200, (10, 5), True),  # its last tile walks one masked key tile
+])
+def test_persistent_grid_only_where_every_query_tile_walks_keys(causal, lq, lk, window, keyed):
+    """The persistent forward and dQ take one block a tile where some query tile walks no
+    key tile (``cuda_hopper._every_tile_keyed``): under memcheck the persistent forward never
+    finished where a block walked two such tiles in a row (docs/perf.md, "Open")."""
+    far = lq + lk
+    left, right = window or (far, far)
+    cond = hopper._every_tile_keyed(causal, 128, 128, T.int64(lq), T.int64(lk),
+                                    Mods(window=window is not None), T.int64(left),
+                                    T.int64(right), False)
+    assert bool(tvm.sym.Analyzer().simplify(cond)) is keyed
