@@ -724,12 +724,11 @@ def _every_tile_keyed(causal: str, rows: int, step: int, Lq, Lk, mods: Mods, win
     :func:`_locator`), so that a persistent grid may walk them (:func:`_grid`). Tiles
     without one lie at one end (the first ones under a bottom-right mask or a window's right
     edge, the last ones past a top-left window's left edge), so the first and the last tile
-    decide. Why: under memcheck on an
-    H100 the persistent forward never finished where a block walked two keyless tiles in a
-    row (bottom-right, Lq - Lk >= 256, three tiles a block; docs/perf.md, "Open"), and one
-    sweep stalled on that forward unsanitized. The cause is not found; one block a tile
-    finished on the same shapes, so such calls take that grid. Packed sequences are never
-    persistent."""
+    decide. Why: under memcheck on an H100 the persistent forward never finished where a
+    block walked two keyless tiles in a row (bottom-right, Lq - Lk >= 256, three tiles a
+    block; docs/perf.md, "Open"), and one sweep stalled on that forward unsanitized. The
+    cause is not found; one block a tile finished on the same shapes, so such calls take
+    that grid. Packed sequences are never persistent."""
     if varlen or (causal == "none" and not mods.window):
         return T.bool(True)
     ma = ModArgs(None, window_left, window_right, None)
@@ -741,13 +740,20 @@ def _every_tile_keyed(causal: str, rows: int, step: int, Lq, Lk, mods: Mods, win
     return T.And(keyed(T.int64(0)), keyed((T.ceildiv(Lq, rows) - 1) * rows))
 
 
-def _grid(total, sms, few_keys, persistent: bool):
-    """Host code: the int32 count of blocks of a grid over ``total`` row tiles — one per SM
-    where persistent and ``few_keys`` holds (:func:`_few_keys` and
-    :func:`_every_tile_keyed`), else one per tile."""
-    return T.cast(T.if_then_else(few_keys,
-                                 T.min(total, T.max(T.cast(sms, "int64"), T.int64(1))), total)
-                  if persistent else total, "int32")
+def _grid(total, sms, tile: HopperTile, causal: str, mods: Mods, varlen: bool, Lq, Lk,
+          window_left, window_right):
+    """Host code: the int32 count of blocks of the forward's or dQ's grid over ``total`` row
+    tiles — one per SM where ``tile.persistent``, a tile walks few keys (:func:`_few_keys`)
+    and every tile walks some (:func:`_every_tile_keyed`), else one per tile."""
+    if not tile.persistent:
+        return T.cast(total, "int32")
+    persist = T.And(_few_keys(Lk, tile.rows, tile.step, mods, window_left, window_right,
+                              tile.persistent_keys),
+                    _every_tile_keyed(causal, tile.rows, tile.step, Lq, Lk, mods, window_left,
+                                      window_right, varlen))
+    return T.cast(T.if_then_else(persist,
+                                 T.min(total, T.max(T.cast(sms, "int64"), T.int64(1))), total),
+                  "int32")
 
 
 def _mine(total, grid, bx, persistent: bool):
@@ -1159,12 +1165,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
         nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BM))
         heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
         total = T.meta_var(heads * nqt)  # query tiles
-        grid: T.let[T.int32] = _grid(
-            total, sms, T.And(_few_keys(Lk, BM, BK, mods, window_left, window_right,
-                                        tile.persistent_keys),
-                              _every_tile_keyed(causal, BM, BK, Lq, Lk, mods, window_left,
-                                                window_right, varlen)),
-            tile.persistent)
+        grid: T.let[T.int32] = _grid(total, sms, tile, causal, mods, varlen, Lq, Lk,
+                                     window_left, window_right)
         qmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         _tmap(qmap, Q, ATOM, BM, SW)
         kmap: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -1692,12 +1694,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
         nqt = T.meta_var(T.ceildiv(max_seqlen_q if varlen else Lq, BM))
         heads = T.meta_var((NS1 - 1 if varlen else B) * Hq)  # (batch or sequence) x head
         total = T.meta_var(heads * nqt)  # query tiles
-        grid: T.let[T.int32] = _grid(
-            total, sms, T.And(_few_keys(Lk, BM, BK, mods, window_left, window_right,
-                                        tile.persistent_keys),
-                              _every_tile_keyed(causal, BM, BK, Lq, Lk, mods, window_left,
-                                                window_right, varlen)),
-            tile.persistent)
+        grid: T.let[T.int32] = _grid(total, sms, tile, causal, mods, varlen, Lq, Lk,
+                                     window_left, window_right)
         T.device_entry()
         T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
         bx = T.cta_id([grid])
