@@ -605,6 +605,23 @@ def gemm_rs(mma, acc, n, aw, b, steps, row):
     T.ptx.wgmma.commit_group.sync.aligned()
 
 
+@T.macro
+def release_keyless(bars, qe, cw, elected):
+    """Consumer warpgroup ``cw`` releases a query tile that walks no key tile (its rows see no
+    key) back to the producer: one arrive on mbarrier ``qe`` (Q empty), but only once all its
+    four warps have passed their wait for that Q. With keys, the tile's first product (a
+    wgmma, which all four warps issue) is the rendezvous before the elected thread's arrive;
+    without one, a slow warp could still be waiting for this Q when the producer, released,
+    loads the next tile's: the phase completes again and the slow warp then waits on the
+    parity of a phase that never completes. That hung the persistent forward under memcheck
+    where a block walked a keyless tile between two others (bottom-right, Lq - Lk >= 256:
+    Hopper journal, thirtieth and thirty-first sessions). Named barrier ``1 + cw``: the
+    warpgroup's own, as the forward's bulk store of O takes it."""
+    T.ptx.barrier.sync.aligned(T.cast(1 + cw, "uint32"), WG)
+    if elected:
+        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[qe]))
+
+
 def _tma_strides(buf):
     """Byte strides of a (B, H, L, D) tensor's rows, heads and batches for its tensor map. The
     copy engine wants every stride a multiple of 16 bytes, also that of a dimension of size 1,
@@ -725,10 +742,12 @@ def _every_tile_keyed(causal: str, rows: int, step: int, Lq, Lk, mods: Mods, win
     without one lie at one end (the first ones under a bottom-right mask or a window's right
     edge, the last ones past a top-left window's left edge), so the first and the last tile
     decide. Why: under memcheck on an H100 the persistent forward never finished where a
-    block walked two keyless tiles in a row (bottom-right, Lq - Lk >= 256, three tiles a
-    block; docs/perf.md, "Open"), and one sweep stalled on that forward unsanitized. The
-    cause is not found; one block a tile finished on the same shapes, so such calls take
-    that grid. Packed sequences are never persistent."""
+    block walked a keyless tile between two others (bottom-right, Lq - Lk >= 256, three
+    tiles a block; docs/perf.md, "The memcheck hang, found"), and one sweep stalled on that
+    forward unsanitized. One block a tile finished on the same shapes, so such calls take
+    that grid. The cause, found since, is fixed in the kernels (:func:`release_keyless`);
+    this bound stays until that fix has run on a GPU with the persistent grid on those
+    shapes. Packed sequences are never persistent."""
     if varlen or (causal == "none" and not mods.window):
         return T.bool(True)
     ma = ModArgs(None, window_left, window_right, None)
@@ -1303,8 +1322,12 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                         softmax(s, p, acc, m, mn, msub, lsum, bars, j + 1, g + j + 1, row,
                                 lane, scale2, elected, Lq, Lk, c, scale, ma)
                     # every S with this Q buffer is complete: the producer may refill it
-                    if elected:
-                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE + it % 2 * 2]))
+                    if n > 0:
+                        if elected:
+                            T.ptx.mbarrier.arrive.shared.b64(
+                                T.address_of(bars[QE + it % 2 * 2]))
+                    else:
+                        release_keyless(bars, QE + it % 2 * 2, cw, elected)
                     sums(lsum, inv)
                     for r in T.unroll(2):  # the tile's LSE, before the next tile's m, lsum
                         if row + r * 8 < Lq:
@@ -1381,8 +1404,8 @@ def flash_forward(key: KernelKey, tile: HopperTile):
                         issue(s, pw, acc, Ks, Vs, bars, dq, dk, dv, g + n - 1, g + n - 1, False,
                               True)
                         pv_done(acc, bars, g + n - 1, elected)
-                    elif elected:
-                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
+                    else:
+                        release_keyless(bars, QE, cw, elected)
 
                     sums(lsum, mn)
                     store(Os, Of, omap, LSE, acc, mn, m, lsum, c[0], c[1], c[3],
@@ -1868,8 +1891,8 @@ def flash_dq(key: KernelKey, tile: HopperTile):
                     if elected:
                         T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[EMPTY + (g + n - 1)
                                                                             % ST]))
-                elif elected:
-                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[QE]))
+                else:
+                    release_keyless(bars, QE, cw, elected)
 
                 for r in T.unroll(2):
                     if row + r * 8 < (sq[1] if varlen else Lq):

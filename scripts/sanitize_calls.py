@@ -16,13 +16,15 @@ built, inside the sanitizer:
 The shapes reach what small tests miss: ``(1, 1, 1100, 1100)`` is past the 1024-key length
 bucket (the Hopper forward at D 64 takes three consumer warpgroups there), ``(1, 1, 300,
 1100)`` and ``(1, 1, 7, 300)`` make the two causal alignments differ, ``(2, 1, 97, 97)`` ends
-mid-tile. ``--many-tiles`` adds ``(4, 12, 700, 400)``: more query tiles than an H100 or H200
-has SMs, so that a block of the persistent Hopper forward and dQ walks several, and bottom-right
-whole tiles without keys among them (slow under racecheck). ``--softcap`` and ``--alibi`` run
-every call with that score modifier (build the kernels with ``build.py --mods softcap``,
-``alibi`` or ``softcap+alibi``). ``--causal``, ``--forward-only`` and ``--repeat`` narrow a
-run down to one kernel and repeat it, for a fault or hang seen once (each call's line gives its
-time; run it under ``timeout``). Exits 1 if any case is out of tolerance or not finite.
+mid-tile. ``--many-tiles`` adds ``(4, 12, 700, 400)`` and ``(2, 16, 1000, 1000)``: more query
+tiles than an H100 or H200 has SMs, so that a block of the persistent Hopper forward and dQ
+walks several — bottom-right, whole tiles without keys among them in the first; under a window,
+every tile keyed in the second (slow under racecheck). ``--softcap``, ``--alibi``
+and ``--window`` run every call with that score modifier (build the kernels with ``build.py
+--mods softcap``, ``alibi``, ``window`` or a combination such as ``softcap+alibi``).
+``--causal``, ``--forward-only`` and ``--repeat`` narrow a run down to one kernel and repeat
+it, for a fault or hang seen once (each call's line gives its time; run it under ``timeout``).
+Exits 1 if any case is out of tolerance or not finite.
 """
 
 from __future__ import annotations
@@ -40,20 +42,22 @@ import tvm_flash  # noqa: E402
 from tvm_flash.reference import attention_reference  # noqa: E402
 
 SHAPES = ((2, 1, 97, 97), (1, 1, 300, 1100), (1, 1, 1100, 1100), (1, 1, 7, 300))  # B Hkv Lq Lk
-MANY_TILES = (4, 12, 700, 400)
+MANY_TILES = ((4, 12, 700, 400), (2, 16, 1000, 1000))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CASES = ((False, "top-left"), (True, "top-left"), (True, "bottom-right"))
 
 
 def _case(d: int, dtype: torch.dtype, group: int, causal: bool, align: str, shape,
-          dev: str, softcap: float = 0.0, alibi: bool = False, backward: bool = True) -> str:
+          dev: str, softcap: float = 0.0, alibi: bool = False, backward: bool = True,
+          window=(-1, -1)) -> str:
     b, hkv, lq, lk = shape
     q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=dtype, requires_grad=True)
                for h, n in ((hkv * group, lq), (hkv, lk), (hkv, lk)))
     do = torch.randn(b, hkv * group, lq, d, device=dev, dtype=dtype)
     slopes = torch.rand(hkv * group, device=dev) if alibi else None
     out = tvm_flash.attention(q, k, v, is_causal=causal, causal_alignment=align,
-                              enable_gqa=True, softcap=softcap, alibi_slopes=slopes)
+                              enable_gqa=True, softcap=softcap, alibi_slopes=slopes,
+                              window_size=window)
     if backward:
         out.backward(do)
     if dev == "cuda":
@@ -61,7 +65,7 @@ def _case(d: int, dtype: torch.dtype, group: int, causal: bool, align: str, shap
     ours = (out, q.grad, k.grad, v.grad) if backward else (out,)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, _ = attention_reference(q64, k64, v64, causal=align if causal else "none",
-                                 softcap=softcap, alibi_slopes=slopes)
+                                 softcap=softcap, alibi_slopes=slopes, window=window)
     if backward:
         ref.backward(do.double())
     exact = (ref, q64.grad, k64.grad, v64.grad) if backward else (ref,)
@@ -81,6 +85,8 @@ def main() -> int:
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
     p.add_argument("--softcap", type=float, default=0.0, help="a soft cap (> 0) on every call")
     p.add_argument("--alibi", action="store_true", help="ALiBi with random slopes on every call")
+    p.add_argument("--window", default="-1,-1", metavar="LEFT,RIGHT",
+                   help="a sliding window on every call (flash-attn's window_size; -1 unbounded)")
     p.add_argument("--many-tiles", action="store_true",
                    help=f"also {MANY_TILES}: persistent blocks walk several query tiles")
     p.add_argument("--causal", default="none,top-left,bottom-right",
@@ -91,7 +97,13 @@ def main() -> int:
                    help="run each call this many times (an intermittent hang: run under "
                         "`timeout`, each call's line printed as it ends)")
     args = p.parse_args()
-    shapes = SHAPES[:args.shapes] + ((MANY_TILES,) if args.many_tiles else ())
+    try:
+        window = tuple(int(x) for x in args.window.split(","))
+    except ValueError:
+        window = ()
+    if len(window) != 2 or min(window) < -1:
+        p.error(f"--window: two integers >= -1 (LEFT,RIGHT), not {args.window!r}")
+    shapes = SHAPES[:args.shapes] + (MANY_TILES if args.many_tiles else ())
     masks = args.causal.split(",")
     unknown = set(masks) - {"none", *(align for _, align in CASES)}
     if unknown:
@@ -108,7 +120,7 @@ def main() -> int:
                         continue
                     start = time.perf_counter()
                     res = _case(d, DTYPES[name], g, causal, align, shape, args.device,
-                                args.softcap, args.alibi, not args.forward_only)
+                                args.softcap, args.alibi, not args.forward_only, window)
                     failed += res.startswith("FAIL")
                     took = time.perf_counter() - start
                     print(f"D {d} {name} GQA {g} {mode:12s} (B, Hkv, Lq, Lk) = {shape}"

@@ -58,7 +58,10 @@ MOD_KEYS += [KernelKey("dkv", 128, "bfloat16", "top-left", 1, "cuda-sm_90a", sof
 # packed sequences: forward, dQ, dK/dV
 MOD_KEYS += [KernelKey(op, d, "bfloat16", "top-left", 1, "cuda-sm_90a", varlen=True)
              for op in ("fwd", "dq", "dkv") for d in (64, 128)]
-KEYS += MOD_KEYS
+# the window forward as a causal window call runs it (plan.fold_window): its own tile
+FOLDED_WINDOW = [KernelKey("fwd", d, "bfloat16", "none", 1, "cuda-sm_90a", window=True)
+                 for d in (64, 128)]
+KEYS += MOD_KEYS + FOLDED_WINDOW
 
 
 @functools.cache
@@ -183,13 +186,13 @@ def test_register_handoff_fits_the_launch_allocation(key):
     _register_handoff_fits(_source(key))
 
 
-TOP_LEFT = [k for k in KEYS if k.group == 1 and k.causal == "top-left"]
+ASSEMBLED = [k for k in KEYS if k.group == 1 and k.causal == "top-left"] + FOLDED_WINDOW
 """The keys :func:`test_hopper_kernels_stay_in_registers_and_keep_wgmma_asynchronous`
-assembles."""
+assembles (and the folded window's, whose tile is its own)."""
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (no GPU)")
-@pytest.mark.parametrize("key", TOP_LEFT, ids=lambda k: k.name)
+@pytest.mark.parametrize("key", ASSEMBLED, ids=lambda k: k.name)
 def test_hopper_kernels_stay_in_registers_and_keep_wgmma_asynchronous(key):
     """No spill beyond :data:`SPILL_ALLOWANCE`; and none of ptxas's notes that it injected a
     wgmma fence or wait (C7517, C7519) or serialised the wgmma of a pipeline stage
@@ -240,7 +243,7 @@ SERVED_PLAIN = [k for k in (KernelKey(op, d, dtype, causal, 1, "cuda-sm_90a")
                             for op in hopper.OPS for d in hopper.HEAD_DIMS
                             for dtype in ("bfloat16", "float16")
                             for causal in ("none", "top-left", "bottom-right"))
-                if hopper.supports(k) and k not in TOP_LEFT]
+                if hopper.supports(k) and k not in ASSEMBLED]
 """Every other served key without modifiers, GQA or sinks (both dtypes: their registers
 differ, e.g. the unmasked dK/dV at D 128 spills 8 bytes in bf16 and none in fp16)."""
 
@@ -778,10 +781,30 @@ def test_sweep_names_a_stalled_stage():
 def test_persistent_grid_only_where_every_query_tile_walks_keys(causal, lq, lk, window, keyed):
     """The persistent forward and dQ take one block a tile where some query tile walks no
     key tile (``cuda_hopper._every_tile_keyed``): under memcheck the persistent forward never
-    finished where a block walked two such tiles in a row (docs/perf.md, "Open")."""
+    finished where a block walked such a tile between two others (docs/perf.md, "The memcheck
+    hang, found")."""
     far = lq + lk
     left, right = window or (far, far)
     cond = hopper._every_tile_keyed(causal, 128, 128, T.int64(lq), T.int64(lk),
                                     Mods(window=window is not None), T.int64(left),
                                     T.int64(right), False)
     assert bool(tvm.sym.Analyzer().simplify(cond)) is keyed
+
+
+@pytest.mark.parametrize("op, chained", [("fwd", False), ("fwd", True), ("dq", False)])
+def test_keyless_tile_releases_q_only_after_its_whole_warpgroup_waited_for_it(op, chained):
+    """A query tile that walks no key tile releases its Q (one elected thread's arrive on Q
+    empty) only after its warpgroup's named barrier (``cuda_hopper.release_keyless``): no
+    wgmma ties the four warps together there, so a warp still waiting for this Q could see the
+    next tile's Q complete the phase after it and then wait forever — the persistent forward
+    hung so under memcheck (Hopper journal, thirty-first session). The barrier is the
+    consumer's own (id 1 + its index, 128 threads) and the only named barrier of these
+    kernels, which store O from registers."""
+    key = KernelKey(op, 128, "bfloat16", "bottom-right", 1, "cuda-sm_90a")
+    src = _variant_source(key, chained=True) if chained else _source(key)
+    body = src[src.index("extern \"C\" __global__"):]
+    sync = "barrier_sync_count_sync_aligned(((uint)(((int)threadIdx.x) >> 7)), (uint)128);"
+    assert body.count("barrier_sync_count_sync_aligned(") == body.count(sync) == 1
+    after = body[body.index(sync) + len(sync):]
+    arrive = after.index("mbarrier_arrive_nocount_arrive_shared_b64(")
+    assert re.fullmatch(r"\s*if \([^;{}]*\) \{\s*tvm_builtin_ptx_", after[:arrive]), after[:arrive]
