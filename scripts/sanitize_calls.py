@@ -76,6 +76,15 @@ def _case(d: int, dtype: torch.dtype, group: int, causal: bool, align: str, shap
     return f"{'ok  ' if ok else 'FAIL'} max err {max(errs):.3g}{'' if finite else ' non-finite'}"
 
 
+def _window(text: str) -> tuple[int, int]:
+    """``--window LEFT,RIGHT`` as two ints; their range is ``tvm_flash.attention``'s check."""
+    try:
+        left, right = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"LEFT,RIGHT: two integers, not {text!r}") from None
+    return left, right
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dims", default="64,128")
@@ -85,8 +94,9 @@ def main() -> int:
     p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many shapes")
     p.add_argument("--softcap", type=float, default=0.0, help="a soft cap (> 0) on every call")
     p.add_argument("--alibi", action="store_true", help="ALiBi with random slopes on every call")
-    p.add_argument("--window", default="-1,-1", metavar="LEFT,RIGHT",
-                   help="a sliding window on every call (flash-attn's window_size; -1 unbounded)")
+    p.add_argument("--window", type=_window, default=(-1, -1), metavar="LEFT,RIGHT",
+                   help="a sliding window on every call (flash-attn's window_size; -1 "
+                        "unbounded; a leading -1 as --window=-1,0)")
     p.add_argument("--many-tiles", action="store_true",
                    help=f"also {MANY_TILES}: persistent blocks walk several query tiles")
     p.add_argument("--causal", default="none,top-left,bottom-right",
@@ -97,12 +107,6 @@ def main() -> int:
                    help="run each call this many times (an intermittent hang: run under "
                         "`timeout`, each call's line printed as it ends)")
     args = p.parse_args()
-    try:
-        window = tuple(int(x) for x in args.window.split(","))
-    except ValueError:
-        window = ()
-    if len(window) != 2 or min(window) < -1:
-        p.error(f"--window: two integers >= -1 (LEFT,RIGHT), not {args.window!r}")
     shapes = SHAPES[:args.shapes] + (MANY_TILES if args.many_tiles else ())
     masks = args.causal.split(",")
     unknown = set(masks) - {"none", *(align for _, align in CASES)}
@@ -120,7 +124,7 @@ def main() -> int:
                         continue
                     start = time.perf_counter()
                     res = _case(d, DTYPES[name], g, causal, align, shape, args.device,
-                                args.softcap, args.alibi, not args.forward_only, window)
+                                args.softcap, args.alibi, not args.forward_only, args.window)
                     failed += res.startswith("FAIL")
                     took = time.perf_counter() - start
                     print(f"D {d} {name} GQA {g} {mode:12s} (B, Hkv, Lq, Lk) = {shape}"
